@@ -1,0 +1,365 @@
+"""The pull transfer engine: prefill holds blocks and serves its layout, decode reads them.
+
+No vLLM here: the connector's worker drives these two objects; the CPU tests and the demo
+drive them the same way across real processes. All NIXL calls happen on the caller's
+thread (NIXL agents are not thread-safe by default); only the side-channel ask runs in a
+helper thread so a slow or dead prefill never blocks the engine loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kvshare_connector import protocol
+from kvshare_connector.descriptors import BlockIds, PairedOwner, transfer_descriptors
+from kvshare_connector.matching import pair_owners
+from kvshare_connector.side_channel import SideChannelError, SideChannelServer, ask
+from kvshare_connector.topology import KVTopology
+from kvshare_connector.transport.nixl import NixlTransport, TransportError
+
+logger = logging.getLogger(__name__)
+
+
+class HandshakeError(RuntimeError):
+    """The prefill side could not be reached, or answered something unusable."""
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    """One finished read, for stats."""
+
+    request_id: str
+    bytes: int
+    descriptors: int
+    blocks: int
+    seconds: float
+
+
+def align_block_ids(local: BlockIds, remote: BlockIds) -> tuple[list[list[int]], list[list[int]]]:
+    """Pair a request's blocks per group, aligned at the tail.
+
+    The decode side may need fewer blocks than prefill holds (a local prefix-cache hit
+    leaves only the last blocks to load; sliding-window groups keep only the window), and
+    vLLM marks dropped sliding-window blocks with the null block 0 on either side: those
+    pairs move nothing.
+    """
+    if len(local) != len(remote):
+        raise protocol.KVTransferParamsError(
+            f"remote_block_ids has {len(remote)} group(s), this engine has {len(local)}"
+        )
+    out_local, out_remote = [], []
+    for lids, rids in zip(local, remote, strict=True):
+        n = min(len(lids), len(rids))
+        pairs = [
+            (lb, rb)
+            for lb, rb in zip(lids[len(lids) - n :], rids[len(rids) - n :], strict=True)
+            if lb != 0 and rb != 0
+        ]
+        out_local.append([lb for lb, _ in pairs])
+        out_remote.append([rb for _, rb in pairs])
+    return out_local, out_remote
+
+
+class KVSource:
+    """Prefill side: registers owners, answers handshakes, frees blocks when read or expired."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        topology: KVTopology,
+        transport: NixlTransport,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        lease_s: float = 30.0,
+    ):
+        self.engine_id = engine_id
+        self.topology = topology
+        self.transport = transport
+        self.lease_s = lease_s
+        transport.register(topology.regions)
+        self._reply = protocol.encode(
+            protocol.HandshakeReply(
+                protocol_version=protocol.PROTOCOL_VERSION,
+                engine_id=engine_id,
+                agent_name=transport.name,
+                agent_metadata=transport.metadata(),
+                layout=protocol.layout_to_msg(topology),
+            )
+        )
+        self._held: dict[str, float] = {}  # request id -> lease deadline
+        self._early: dict[str, float] = {}  # read before we were told to hold it
+        self._read_before_hold: set[str] = set()
+        self.server = SideChannelServer(host, port, self._answer)
+        self.host, self.port = host, self.server.port
+
+    def _answer(self, payload: bytes) -> bytes:
+        try:
+            message = protocol.decode(payload)
+        except protocol.ProtocolError as exc:
+            logger.warning("side channel: %s", exc)
+            return protocol.encode(protocol.ErrorReply(str(exc)))
+        if not isinstance(message, protocol.Hello):
+            return protocol.encode(
+                protocol.ErrorReply(f"expected hello, got {type(message).__name__}")
+            )
+        if message.protocol_version != protocol.PROTOCOL_VERSION:
+            return protocol.encode(
+                protocol.ErrorReply(
+                    f"protocol version {message.protocol_version} not supported "
+                    f"(this engine speaks {protocol.PROTOCOL_VERSION})"
+                )
+            )
+        if message.expect_engine_id not in (None, self.engine_id):
+            return protocol.encode(
+                protocol.ErrorReply(
+                    f"this is engine {self.engine_id!r}, not {message.expect_engine_id!r}"
+                )
+            )
+        logger.info("handshake from engine %s", message.engine_id)
+        return self._reply
+
+    def hold(self, request_id: str, lease_s: float | None = None) -> None:
+        """Keep a finished prefill's blocks until decode reads them or the lease ends."""
+        if self._early.pop(request_id, None) is not None:
+            self._read_before_hold.add(request_id)  # freed on the next poll
+            return
+        self._held[request_id] = time.monotonic() + (self.lease_s if lease_s is None else lease_s)
+
+    @property
+    def held(self) -> set[str]:
+        return set(self._held) | self._read_before_hold
+
+    def poll(self) -> tuple[set[str], set[str]]:
+        """``(read, expired)`` request ids whose blocks can be freed now."""
+        now = time.monotonic()
+        read, self._read_before_hold = self._read_before_hold, set()
+        for peer, messages in self.transport.notifications().items():
+            for message in messages:
+                try:
+                    _, request_id = protocol.parse_notification(message)
+                except protocol.ProtocolError as exc:
+                    logger.warning("notification from %s ignored: %s", peer, exc)
+                    continue
+                if self._held.pop(request_id, None) is not None:
+                    read.add(request_id)
+                else:  # decode can be faster than our scheduler's hold
+                    self._early[request_id] = now + self.lease_s
+        expired = {r for r, deadline in self._held.items() if deadline <= now}
+        for request_id in expired:
+            del self._held[request_id]
+            logger.warning(
+                "decode never read request %s within its lease: freeing its blocks", request_id
+            )
+        self._early = {r: d for r, d in self._early.items() if d > now}
+        return read, expired
+
+    def close(self) -> None:
+        self.server.close()
+        self.transport.close()
+
+
+@dataclass
+class Peer:
+    engine_id: str
+    agent: str
+    topology: KVTopology
+    owners: list[PairedOwner]
+
+
+@dataclass
+class _Read:
+    request_id: str
+    params: protocol.RemotePrefillParams
+    local_ids: BlockIds
+    created: float = field(default_factory=time.monotonic)
+    handle: object | None = None
+    started: float = 0.0
+    nbytes: int = 0
+    descriptors: int = 0
+    blocks: int = 0
+
+
+class KVSink:
+    """Decode side: handshakes with prefill engines and reads requests' blocks from them."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        topology: KVTopology,
+        transport: NixlTransport,
+        handshake_timeout_s: float = 10.0,
+        transfer_timeout_s: float = 60.0,
+    ):
+        self.engine_id = engine_id
+        self.topology = topology
+        self.transport = transport
+        self.handshake_timeout_s = handshake_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
+        transport.register(topology.regions)
+        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvshare-handshake")
+        self._handshakes: dict[tuple[str, int], Future[protocol.HandshakeReply]] = {}
+        self._peers: dict[tuple[str, int], Peer] = {}
+        self._reads: dict[str, _Read] = {}
+        self.records: list[TransferRecord] = []
+
+    # -- handshakes --------------------------------------------------------------------
+
+    def _fetch(self, host: str, port: int, expect: str) -> protocol.HandshakeReply:
+        hello = protocol.Hello(protocol.PROTOCOL_VERSION, self.engine_id, expect)
+        try:
+            raw = ask(host, port, protocol.encode(hello), self.handshake_timeout_s)
+        except SideChannelError as exc:
+            raise HandshakeError(str(exc)) from exc
+        try:
+            reply = protocol.decode(raw)
+        except protocol.ProtocolError as exc:
+            raise HandshakeError(f"prefill at {host}:{port} answered garbage: {exc}") from exc
+        if isinstance(reply, protocol.ErrorReply):
+            raise HandshakeError(f"prefill at {host}:{port} refused the handshake: {reply.message}")
+        if not isinstance(reply, protocol.HandshakeReply):
+            raise HandshakeError(f"prefill at {host}:{port} answered a {type(reply).__name__}")
+        return reply
+
+    def _peer(self, host: str, port: int, expect: str) -> Peer | None:
+        """The peer if its handshake finished (raises its error), else None (in flight)."""
+        key = (host, port)
+        peer = self._peers.get(key)
+        if peer is not None and peer.engine_id == expect:
+            return peer
+        future = self._handshakes.get(key)
+        if future is None:
+            self._handshakes[key] = self._executor.submit(self._fetch, host, port, expect)
+            return None
+        if not future.done():
+            return None
+        del self._handshakes[key]
+        reply = future.result()  # raises HandshakeError
+        try:
+            remote = protocol.layout_from_msg(reply.layout)
+        except protocol.ProtocolError as exc:
+            raise HandshakeError(
+                f"prefill at {host}:{port} sent an unusable layout: {exc}"
+            ) from exc
+        owners = pair_owners(self.topology, remote)  # raises LayoutMismatch
+        if peer is not None:
+            self.transport.remove_peer(peer.agent)
+        agent = self.transport.add_peer(reply.agent_metadata)
+        peer = Peer(reply.engine_id, agent, remote, owners)
+        self._peers[key] = peer
+        logger.info(
+            "handshake with %s at %s:%d: %d owners, %d sharers, layout %s -> %s",
+            peer.engine_id,
+            host,
+            port,
+            len(remote.owners),
+            len(remote.sharers),
+            remote.layout,
+            self.topology.layout,
+        )
+        return peer
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def request(
+        self, request_id: str, params: protocol.RemotePrefillParams, local_ids: BlockIds
+    ) -> None:
+        """Queue a read of ``params.remote_block_ids`` into ``local_ids`` (per group)."""
+        if request_id in self._reads:
+            raise ValueError(f"request {request_id} is already being read")
+        self._reads[request_id] = _Read(request_id, params, [list(ids) for ids in local_ids])
+
+    @property
+    def in_flight(self) -> set[str]:
+        return set(self._reads)
+
+    def poll(self) -> tuple[set[str], dict[str, str]]:
+        """Advance every read: ``(done, {failed request id: reason})``."""
+        done: set[str] = set()
+        failed: dict[str, str] = {}
+        now = time.monotonic()
+        for read in list(self._reads.values()):
+            try:
+                if read.handle is None:
+                    if now - read.created > self.handshake_timeout_s + self.transfer_timeout_s:
+                        raise HandshakeError("timed out waiting for the prefill handshake")
+                    if self._start(read):
+                        done.add(read.request_id)
+                    continue
+                state = self.transport.state(read.handle)
+                if state == "DONE":
+                    self._finish(read)
+                    done.add(read.request_id)
+                elif state == "ERR":
+                    raise TransportError(f"NIXL READ from {read.params.remote_engine_id} failed")
+                elif now - read.started > self.transfer_timeout_s:
+                    raise TransportError(
+                        f"NIXL READ from {read.params.remote_engine_id} did not finish in "
+                        f"{self.transfer_timeout_s:g} s"
+                    )
+            except Exception as exc:  # every failure ends this request only
+                failed[read.request_id] = f"{type(exc).__name__}: {exc}"
+                self._abandon(read)
+        for request_id in done | set(failed):
+            self._reads.pop(request_id, None)
+        return done, failed
+
+    def _start(self, read: _Read) -> bool:
+        """Start the READ once the peer is known; True if nothing had to move."""
+        p = read.params
+        peer = self._peer(p.remote_host, p.remote_port, p.remote_engine_id)
+        if peer is None:
+            return False
+        local_ids, remote_ids = align_block_ids(read.local_ids, p.remote_block_ids)
+        local_rows, remote_rows = transfer_descriptors(
+            peer.owners, local_ids, remote_ids, self.topology.num_blocks, peer.topology.num_blocks
+        )
+        note = protocol.notification(protocol.NOTIF_DONE, p.remote_request_id)
+        read.blocks = sum(len(ids) for ids in local_ids)
+        if len(local_rows) == 0:  # e.g. a full local prefix-cache hit: just free prefill
+            self.transport.notify(peer.agent, note)
+            self.records.append(TransferRecord(read.request_id, 0, 0, read.blocks, 0.0))
+            return True
+        read.nbytes = int(local_rows[:, 1].sum())
+        read.descriptors = len(local_rows)
+        read.started = time.monotonic()
+        read.handle = self.transport.read(
+            peer.agent, local_rows, _kind(self.topology), remote_rows, _kind(peer.topology), note
+        )
+        return False
+
+    def _finish(self, read: _Read) -> None:
+        self.transport.release(read.handle)
+        self.records.append(
+            TransferRecord(
+                read.request_id,
+                read.nbytes,
+                read.descriptors,
+                read.blocks,
+                time.monotonic() - read.started,
+            )
+        )
+
+    def _abandon(self, read: _Read) -> None:
+        """Release what we hold and tell prefill (if reachable) to free its blocks."""
+        if read.handle is not None:
+            self.transport.release(read.handle)
+        peer = self._peers.get((read.params.remote_host, read.params.remote_port))
+        if peer is not None:
+            self.transport.notify(
+                peer.agent,
+                protocol.notification(protocol.NOTIF_ABORT, read.params.remote_request_id),
+            )
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.transport.close()
+
+
+def _kind(topology: KVTopology) -> str:
+    kinds = {r.mem_kind for r in topology.regions}
+    if len(kinds) != 1:
+        raise TransportError(f"KV regions span memory kinds {sorted(kinds)}")
+    return kinds.pop()

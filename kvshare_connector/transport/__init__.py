@@ -1,0 +1,1 @@
+"""Transports that move KV bytes between engines."""

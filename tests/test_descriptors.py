@@ -1,0 +1,136 @@
+"""Descriptors checked through memory: copy the bytes they name, then read the KV back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvshare_connector import kvcheck, vllm_adapter
+from kvshare_connector.cpu_stack import build_cpu_stack
+from kvshare_connector.descriptors import (
+    DescriptorError,
+    request_descriptors,
+    transfer_descriptors,
+)
+from kvshare_connector.matching import pair_owners
+
+from .blockutil import disjoint_block_ids, memmove_rows, zero_regions
+
+CASES = [
+    ("gemma4_e2b_shape", "per_layer"),
+    ("g4tiny", "per_layer"),
+    ("g4uniform", "cross_layer"),
+    ("g4uniform", "per_layer"),
+    ("gemma4_e2b_shape", "kvcached_contiguous"),
+    ("gemma4_e2b_shape", "kvcached_per_layer"),
+]
+
+
+def fresh(model: str, layout: str):
+    stack = build_cpu_stack(model, layout, kv_bytes=32 << 20, max_model_len=1024)
+    if layout == "cross_layer":
+        topology = vllm_adapter.topology_from_cross_layer(
+            stack.kv_cache_config,
+            stack.cross_layer_tensor,
+            stack.cross_layer_backend,
+            stack.sharing,
+            stack.vllm_config,
+        )
+    else:
+        topology = vllm_adapter.topology_from_kv_caches(
+            stack.kv_cache_config, stack.kv_caches, stack.backends, stack.sharing, layout
+        )
+    return stack, topology
+
+
+def request_ids(topology, seed):
+    counts = [5 + 3 * g for g in range(len(topology.groups))]  # a different length per group
+    return disjoint_block_ids(topology.num_blocks, counts, seed)
+
+
+def translate(rows: np.ndarray, src, dst) -> np.ndarray:
+    """The same offsets inside the matching region of an identically laid out engine."""
+    out = rows.copy()
+    for s, d in zip(src.regions, dst.regions, strict=True):
+        inside = (rows[:, 0] >= s.addr) & (rows[:, 0] < s.addr + s.nbytes)
+        out[inside, 0] = rows[inside, 0] - np.uint64(s.addr) + np.uint64(d.addr)
+    return out
+
+
+@pytest.mark.parametrize(("model", "layout"), CASES)
+def test_request_descriptors_copy_exactly_the_request(model, layout):
+    src_stack, src = fresh(model, layout)
+    dst_stack, dst = fresh(model, layout)
+    ids = request_ids(src, seed=1)
+    kvcheck.fill(src_stack.kv_caches, src, ids)
+
+    rows = request_descriptors(src, ids)
+    memmove_rows(translate(rows, src, dst), rows)
+
+    # Every layer, sharers included through their alias, now holds the prefill pattern.
+    assert kvcheck.mismatches(dst_stack.kv_caches, dst, ids) == []
+    assert set(dst_stack.kv_caches) >= set(dst.sharers)
+    assert kvcheck.nonzero_blocks_outside(dst_stack.kv_caches, dst, ids) == []
+
+    # Negative control: without one descriptor the same check fails.
+    zero_regions(dst)
+    memmove_rows(translate(rows[1:], src, dst), rows[1:])
+    assert kvcheck.mismatches(dst_stack.kv_caches, dst, ids)
+
+
+@pytest.mark.parametrize(
+    ("src_layout", "dst_layout", "model"),
+    [
+        ("per_layer", "kvcached_contiguous", "gemma4_e2b_shape"),
+        ("kvcached_contiguous", "kvcached_per_layer", "gemma4_e2b_shape"),
+        ("cross_layer", "per_layer", "g4uniform"),
+        ("per_layer", "cross_layer", "g4uniform"),
+    ],
+)
+def test_transfer_between_layouts_with_other_block_ids(src_layout, dst_layout, model):
+    src_stack, src = fresh(model, src_layout)
+    dst_stack, dst = fresh(model, dst_layout)
+    remote_ids = request_ids(src, seed=2)
+    local_ids = request_ids(dst, seed=3)
+    kvcheck.fill(src_stack.kv_caches, src, remote_ids)
+
+    paired = pair_owners(dst, src)
+    local_rows, remote_rows = transfer_descriptors(
+        paired, local_ids, remote_ids, dst.num_blocks, src.num_blocks
+    )
+    memmove_rows(local_rows, remote_rows)
+
+    assert kvcheck.mismatches(dst_stack.kv_caches, dst, local_ids) == []
+    assert kvcheck.nonzero_blocks_outside(dst_stack.kv_caches, dst, local_ids) == []
+    # Negative control: pointing at the wrong remote blocks fails the same check.
+    zero_regions(dst)
+    wrong = [list(reversed(ids)) for ids in remote_ids]
+    local_rows, remote_rows = transfer_descriptors(
+        paired, local_ids, wrong, dst.num_blocks, src.num_blocks
+    )
+    memmove_rows(local_rows, remote_rows)
+    assert kvcheck.mismatches(dst_stack.kv_caches, dst, local_ids)
+
+
+def test_coalescing_contiguous_request(stack_topology):
+    _, topology = stack_topology("gemma4_e2b_shape", "per_layer")
+    count = 120
+    ids = [list(range(1 + g * count, 1 + (g + 1) * count)) for g in range(len(topology.groups))]
+    rows = request_descriptors(topology, ids)
+    slabs = count * len(topology.owners)
+    assert rows[:, 1].sum() == slabs * 32768
+    assert slabs / len(rows) >= 4
+    # A contiguous run of blocks is one descriptor per owner layer.
+    assert len(rows) == len(topology.owners)
+
+
+def test_block_ids_out_of_range(stack_topology):
+    _, topology = stack_topology("g4tiny", "per_layer")
+    ids = [[1]] * len(topology.groups)
+    ids[5] = [3, topology.num_blocks]
+    with pytest.raises(DescriptorError, match=f"block id {topology.num_blocks} of group 5 is out"):
+        request_descriptors(topology, ids)
+    with pytest.raises(DescriptorError, match="block id -1 of group 0"):
+        request_descriptors(topology, [[-1]] + [[]] * 5)
+    with pytest.raises(DescriptorError, match="cover 2 KV cache group"):
+        request_descriptors(topology, [[1], [2]])
