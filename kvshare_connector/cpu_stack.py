@@ -114,6 +114,9 @@ def build_cpu_stack(
 
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # as EngineArgs does: registers KVShareConnector by name
     root = Path(workdir or tempfile.mkdtemp(prefix="kvshare-models-"))
     path = model_dir(model, root)
     model_config = ModelConfig(
@@ -145,6 +148,7 @@ def build_cpu_stack(
     sharing = sharing_map(forward_context)
     specs = attn_utils.get_kv_cache_spec(vllm_config)
     kv_cache_config = get_kv_cache_configs(vllm_config, [specs], [kv_bytes])[0]
+    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks  # as EngineCore does
     worker_config = copy.deepcopy(kv_cache_config)
     with set_current_vllm_config(vllm_config):
         attn_groups, _, kernel_block_sizes = attn_utils.init_attn_backend(

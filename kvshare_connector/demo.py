@@ -43,7 +43,9 @@ def request_block_ids(topology: Any, tokens: int, seed: int) -> list[list[int]]:
             blocks = min(blocks, math.ceil(group.spec.sliding_window / group.spec.block_size) + 1)
         counts.append(blocks)
     if sum(counts) >= topology.num_blocks:
-        raise ValueError(f"{tokens} tokens need {sum(counts)} blocks, the cache has {topology.num_blocks}")
+        raise ValueError(
+            f"{tokens} tokens need {sum(counts)} blocks, the cache has {topology.num_blocks}"
+        )
     pool = np.random.default_rng(seed).permutation(np.arange(1, topology.num_blocks))
     out, start = [], 0
     for count in counts:
@@ -100,8 +102,13 @@ def run_prefill(args: argparse.Namespace) -> int:
         "tp_size": 1,
         "remote_num_tokens": args.tokens,
     }
-    ready = {"kv_transfer_params": params, "layout": topology.layout, "owners": len(topology.owners),
-             "sharers": len(topology.sharers), "registered_bytes": source.transport.registered_bytes}
+    ready = {
+        "kv_transfer_params": params,
+        "layout": topology.layout,
+        "owners": len(topology.owners),
+        "sharers": len(topology.sharers),
+        "registered_bytes": source.transport.registered_bytes,
+    }
     print(READY + json.dumps(ready), flush=True)
     deadline = time.monotonic() + args.lease_s + 30
     read: set[str] = set()
@@ -111,8 +118,13 @@ def run_prefill(args: argparse.Namespace) -> int:
         read |= r
         expired |= e
         time.sleep(0.005)
-    print(DONE + json.dumps({"read": sorted(read), "expired": sorted(expired),
-                             "still_held": sorted(source.held)}), flush=True)
+    print(
+        DONE
+        + json.dumps(
+            {"read": sorted(read), "expired": sorted(expired), "still_held": sorted(source.held)}
+        ),
+        flush=True,
+    )
     time.sleep(args.linger_s)
     source.close()
     return 0
@@ -143,19 +155,43 @@ class PrefillProcess:
 
 
 def spawn_prefill(
-    model: str, layout: str, tokens: int, seed: int = 0, lease_s: float = 30.0,
-    kv_mib: int = 64, max_model_len: int = 2048, linger_s: float = 1.0, timeout_s: float = 120.0,
+    model: str,
+    layout: str,
+    tokens: int,
+    seed: int = 0,
+    lease_s: float = 30.0,
+    kv_mib: int = 64,
+    max_model_len: int = 2048,
+    linger_s: float = 1.0,
+    timeout_s: float = 120.0,
 ) -> PrefillProcess:
     """Start ``python -m kvshare_connector.demo prefill`` and wait for its ready line."""
     cmd = [
-        sys.executable, "-m", "kvshare_connector.demo", "prefill", "--model", model,
-        "--layout", layout, "--tokens", str(tokens), "--seed", str(seed),
-        "--lease-s", str(lease_s), "--kv-mib", str(kv_mib), "--max-model-len", str(max_model_len),
-        "--linger-s", str(linger_s),
+        sys.executable,
+        "-m",
+        "kvshare_connector.demo",
+        "prefill",
+        "--model",
+        model,
+        "--layout",
+        layout,
+        "--tokens",
+        str(tokens),
+        "--seed",
+        str(seed),
+        "--lease-s",
+        str(lease_s),
+        "--kv-mib",
+        str(kv_mib),
+        "--max-model-len",
+        str(max_model_len),
+        "--linger-s",
+        str(linger_s),
     ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                               env=env)
+    process = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
+    )
     deadline = time.monotonic() + timeout_s
     assert process.stdout is not None
     while time.monotonic() < deadline:
@@ -183,8 +219,15 @@ class ReadResult:
 
 
 def read_and_check(
-    sink: Any, stack: Any, topology: Any, params: dict[str, Any], local_ids: list[list[int]],
-    seed: int, request_id: str, timeout_s: float = 60.0, check_ids: list[list[int]] | None = None,
+    sink: Any,
+    stack: Any,
+    topology: Any,
+    params: dict[str, Any],
+    local_ids: list[list[int]],
+    seed: int,
+    request_id: str,
+    timeout_s: float = 60.0,
+    check_ids: list[list[int]] | None = None,
 ) -> ReadResult:
     """Read one request through ``sink`` and check the pattern landed in ``local_ids``."""
     from kvshare_connector.protocol import remote_prefill_params
@@ -217,13 +260,20 @@ def run_demo(args: argparse.Namespace) -> int:
     from kvshare_connector.transfer import KVSink
     from kvshare_connector.transport.nixl import NixlTransport
 
-    print(f"kvshare demo: {args.model}, prefill {args.prefill_layout} -> decode "
-          f"{args.decode_layout}, {args.tokens} tokens, NIXL/UCX over 127.0.0.1")
-    prefill = spawn_prefill(args.model, args.prefill_layout, args.tokens, seed=1,
-                            lease_s=args.lease_s)
+    print(
+        f"kvshare demo: {args.model}, prefill {args.prefill_layout} -> decode "
+        f"{args.decode_layout}, {args.tokens} tokens, NIXL/UCX over 127.0.0.1"
+    )
+    prefill = spawn_prefill(
+        args.model, args.prefill_layout, args.tokens, seed=1, lease_s=args.lease_s
+    )
     try:
         stack, topology = build(args.model, args.decode_layout, 64, 2048)
-        sink = KVSink(f"decode-{uuid.uuid4().hex[:8]}", topology, NixlTransport(f"decode-{uuid.uuid4().hex[:8]}"))
+        sink = KVSink(
+            f"decode-{uuid.uuid4().hex[:8]}",
+            topology,
+            NixlTransport(f"decode-{uuid.uuid4().hex[:8]}"),
+        )
         local_ids = request_block_ids(topology, args.tokens, seed=2)
         params = prefill.ready["kv_transfer_params"]
         result = read_and_check(sink, stack, topology, params, local_ids, seed=1, request_id="d-0")
@@ -232,12 +282,16 @@ def run_demo(args: argparse.Namespace) -> int:
         prefill.stop()
 
     # Negative control: a second prefill; read its blocks in the wrong order.
-    control = spawn_prefill(args.model, args.prefill_layout, args.tokens, seed=1, lease_s=args.lease_s)
+    control = spawn_prefill(
+        args.model, args.prefill_layout, args.tokens, seed=1, lease_s=args.lease_s
+    )
     try:
         params = dict(control.ready["kv_transfer_params"])
         params["remote_block_ids"] = [list(reversed(ids)) for ids in params["remote_block_ids"]]
         _zero(topology)
-        negative = read_and_check(sink, stack, topology, params, local_ids, seed=1, request_id="d-1")
+        negative = read_and_check(
+            sink, stack, topology, params, local_ids, seed=1, request_id="d-1"
+        )
         control.wait_done(30)
     finally:
         control.stop()
@@ -245,12 +299,17 @@ def run_demo(args: argparse.Namespace) -> int:
 
     layers = len(stack.kv_caches)
     bad_layers = len({m.split(" ")[0] for m in result.mismatches})
-    ok = result.done and not result.mismatches and not result.stray and released["read"] == ["req-0"]
+    ok = (
+        result.done and not result.mismatches and not result.stray and released["read"] == ["req-0"]
+    )
     control_ok = negative.done and bool(negative.mismatches)
     rows = [
         ("prefill layout", prefill.ready["layout"]),
         ("decode layout", topology.layout),
-        ("owner layers registered", f"{prefill.ready['owners']} (prefill), {len(topology.owners)} (decode)"),
+        (
+            "owner layers registered",
+            f"{prefill.ready['owners']} (prefill), {len(topology.owners)} (decode)",
+        ),
         ("sharing layers", f"{len(topology.sharers)} (never registered)"),
         ("registered bytes (prefill)", f"{prefill.ready['registered_bytes']:,}"),
         ("KV cache groups", str(len(topology.groups))),
@@ -261,7 +320,10 @@ def run_demo(args: argparse.Namespace) -> int:
         ("layers holding prefill's KV (owners + sharers)", f"{layers - bad_layers}/{layers}"),
         ("stray writes outside the request", str(len(result.stray))),
         ("prefill released the blocks", str(released["read"] == ["req-0"])),
-        ("negative control (wrong blocks) detected", f"{control_ok} ({len(negative.mismatches)} bad blocks)"),
+        (
+            "negative control (wrong blocks) detected",
+            f"{control_ok} ({len(negative.mismatches)} bad blocks)",
+        ),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

@@ -9,6 +9,7 @@ transport. Here every owner's addresses come from one broadcast
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -95,7 +96,7 @@ def _interleaved(geometries: Sequence[BlockGeometry]) -> bool:
         return False
     bases = sorted(g.base for g in geometries)
     step = first.segment_len
-    return all(b - a == step for a, b in zip(bases, bases[1:], strict=False)) and (
+    return all(b - a == step for a, b in itertools.pairwise(bases)) and (
         first.block_stride == step * len(geometries)
     )
 

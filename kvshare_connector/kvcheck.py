@@ -62,13 +62,19 @@ def mismatches(
     block_ids: Sequence[Sequence[int]],
     layers: Iterable[str] | None = None,
     seed: int = 0,
+    first_positions: Sequence[int] | None = None,
 ) -> list[str]:
-    """Layers (sharers read through their alias) whose blocks do not hold the pattern."""
+    """Layers (sharers read through their alias) whose blocks do not hold the pattern.
+
+    ``first_positions[g]``: the position in the request of group g's first listed block
+    (a sliding-window group keeps only its tail).
+    """
     problems = []
     for name in layers if layers is not None else kv_caches:
         owner = topology.owners[topology.resolve(name)]
         view = _as_int16(kv_caches[name])
-        for position, block in enumerate(block_ids[owner.group]):
+        first = first_positions[owner.group] if first_positions is not None else 0
+        for position, block in enumerate(block_ids[owner.group], start=first):
             got = _block_slice(view, owner.labels, owner.spec.block_size, block)
             if not bool((got == pattern(owner.name, position, got.shape, seed)).all()):
                 problems.append(f"{name} (group {owner.group}, block {block}, #{position})")

@@ -7,13 +7,14 @@ linger, so a dead peer costs exactly the timeout).
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 
 import zmq
 
-logger = logging.getLogger(__name__)
+from kvshare_connector.log import get_logger
+
+logger = get_logger(__name__)
 
 
 class SideChannelError(ConnectionError):

@@ -8,19 +8,19 @@ helper thread so a slow or dead prefill never blocks the engine loop.
 
 from __future__ import annotations
 
-import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvshare_connector import protocol
 from kvshare_connector.descriptors import BlockIds, PairedOwner, transfer_descriptors
+from kvshare_connector.log import get_logger
 from kvshare_connector.matching import pair_owners
 from kvshare_connector.side_channel import SideChannelError, SideChannelServer, ask
 from kvshare_connector.topology import KVTopology
 from kvshare_connector.transport.nixl import NixlTransport, TransportError
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class HandshakeError(RuntimeError):

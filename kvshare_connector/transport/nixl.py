@@ -9,15 +9,15 @@ reservation expensive elsewhere).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from kvshare_connector.log import get_logger
 from kvshare_connector.topology import Region
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class TransportError(RuntimeError):
@@ -47,12 +47,16 @@ class NixlTransport:
         if not self.agent.backends:
             raise TransportError(f"NIXL agent {name}: none of the backends {list(backends)} loaded")
         self._registered: list[Any] = []
+        self._regions: set[Region] = set()
         self.registered_bytes = 0
 
     def register(self, regions: Sequence[Region]) -> None:
+        """Register regions once each (a kv_both engine's source and sink share an agent)."""
+        fresh = [r for r in regions if r not in self._regions]
+        self._regions.update(fresh)
         for kind in ("DRAM", "VRAM"):
             rows = [
-                (r.addr, r.nbytes, max(r.device_id, 0), "") for r in regions if r.mem_kind == kind
+                (r.addr, r.nbytes, max(r.device_id, 0), "") for r in fresh if r.mem_kind == kind
             ]
             if not rows:
                 continue
@@ -132,3 +136,4 @@ class NixlTransport:
             except Exception as exc:
                 logger.warning("NIXL: deregistering memory failed: %s", exc)
         self._registered.clear()
+        self._regions.clear()

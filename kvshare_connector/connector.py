@@ -1,0 +1,183 @@
+"""``KVShareConnector``: the vLLM 0.26 KV connector, role dispatch only.
+
+Enable with ``--kv-transfer-config '{"kv_connector":"KVShareConnector","kv_role":...}'``.
+Options in ``kv_connector_extra_config``:
+
+* ``kv_lease_duration`` (s, default 30): how long prefill keeps a finished request's
+  blocks for decode to read (vLLM NixlConnector's name).
+* ``handshake_timeout_s`` (default 10) and ``transfer_timeout_s`` (default 60): bounded
+  waits on decode before a request is computed locally instead.
+* ``cross_layer_blocks`` (default true, false when kvcached is enabled): ask vLLM for the
+  cross-layer blocks layout where it can (single KV cache group).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm import envs
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+from vllm.logger import init_logger
+
+from kvshare_connector import kvcached
+from kvshare_connector.scheduler import KVShareMetadata, KVShareScheduler
+from kvshare_connector.stats import KVShareStats
+from kvshare_connector.worker import KVShareWorker, KVShareWorkerMeta
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionBackend, AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ):
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = self._kv_transfer_config
+        if config.kv_role not in ROLES:
+            raise ValueError(f"KVShareConnector: kv_role {config.kv_role!r} not in {ROLES}")
+        if vllm_config.parallel_config.tensor_parallel_size != 1:
+            raise NotImplementedError(
+                "KVShareConnector supports tensor_parallel_size=1 on both sides for now"
+            )
+        extra = config.kv_connector_extra_config or {}
+        self.engine_id = config.engine_id or "kvshare"
+        host = envs.VLLM_NIXL_SIDE_CHANNEL_HOST
+        port = envs.VLLM_NIXL_SIDE_CHANNEL_PORT + vllm_config.parallel_config.data_parallel_index
+        lease_s = float(extra.get("kv_lease_duration", 30))
+        self._cross_layer = bool(extra.get("cross_layer_blocks", not kvcached.kvcached_enabled()))
+        self.scheduler: KVShareScheduler | None = None
+        self.worker: KVShareWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = KVShareScheduler(
+                vllm_config, kv_cache_config, self.engine_id, host, port, lease_s
+            )
+        else:
+            self.worker = KVShareWorker(
+                vllm_config,
+                kv_cache_config,
+                self.engine_id,
+                config.kv_role,
+                host,
+                port,
+                lease_s,
+                float(extra.get("handshake_timeout_s", 10)),
+                float(extra.get("transfer_timeout_s", 60)),
+            )
+
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        return self._cross_layer
+
+    # ---- worker side --------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches)
+
+    def register_cross_layers_kv_cache(
+        self, kv_cache: Any, attn_backend: type[AttentionBackend]
+    ) -> None:
+        assert self.worker is not None
+        self.worker.register_cross_layers_kv_cache(kv_cache, attn_backend)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.worker is not None
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KVShareMetadata)
+        self.worker.start_load_kv(metadata)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads finish before a request is scheduled (async pull), not per layer."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        """Nothing to save: decode pulls from prefill's own KV blocks."""
+
+    def wait_for_save(self) -> None:
+        """Nothing to save."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self.worker is not None
+        return self.worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self.worker is not None
+        return self.worker.block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert self.worker is not None
+        return self.worker.worker_meta()
+
+    def get_kv_connector_stats(self) -> KVShareStats | None:
+        return self.worker.take_stats() if self.worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVShareStats:
+        return KVShareStats(data=dict(data)) if data is not None else KVShareStats()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+
+    # ---- scheduler side -----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self.scheduler is not None
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVShareWorkerMeta) and meta.failed_loads:
+            self.scheduler.failed_loads(meta.failed_loads)
+        self.scheduler.finished_loads(set(connector_output.finished_recving or ()))
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return None  # any layout: geometry is read off the tensors' strides

@@ -1,0 +1,53 @@
+"""A child process whose stdout is drained on a thread (a full pipe would block it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+
+class Child:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None):
+        self.process = subprocess.Popen(
+            [sys.executable, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.log.append(line)
+            self.lines.put(line)
+
+    def wait_json(self, prefix: str, timeout_s: float) -> dict[str, Any]:
+        """The JSON after ``prefix`` on the child's next line that starts with it."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                if self.process.poll() is not None and self.lines.empty():
+                    break
+                continue
+            if line.startswith(prefix):
+                return json.loads(line[len(prefix) :])
+        tail = "".join(self.log[-30:])
+        raise TimeoutError(f"child did not print {prefix!r} in {timeout_s} s; last output:\n{tail}")
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=10)

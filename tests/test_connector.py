@@ -1,0 +1,202 @@
+"""KVShareConnector inside vLLM's own machinery: factory, scheduler, worker hooks, NIXL.
+
+The two-process tests run vLLM's real ``Scheduler`` with the connector in both roles and
+drive the worker side the way the model runner does (``tests/engine_sim.py``); only the
+model forward is emulated (it writes a known pattern into the blocks vLLM allocated).
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from .child import Child
+from .engine_sim import READY, RESULT, Engine, decode_requests
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- loading -----------------------------------------------------------------------------
+
+
+def test_factory_loads_by_name_and_by_module_path():
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.plugins import load_general_plugins
+
+    from kvshare_connector.connector import KVShareConnector
+
+    load_general_plugins()
+    by_name = KVTransferConfig(kv_connector="KVShareConnector", kv_role="kv_producer")
+    by_path = KVTransferConfig(
+        kv_connector="KVShareConnector",
+        kv_connector_module_path="kvshare_connector",
+        kv_role="kv_consumer",
+    )
+    assert KVConnectorFactory.get_connector_class(by_name) is KVShareConnector
+    assert KVConnectorFactory.get_connector_class(by_path) is KVShareConnector
+    # HMA stays on with our connector (vLLM turns it off for connectors without it).
+    assert KVConnectorFactory.supports_hma_config(by_name)
+
+
+# ---- two engines -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prefill_engine():
+    """A prefill engine (g4tiny: 6 KV cache groups, 4 sharers) that served 3 requests."""
+    port = free_port()
+    child = Child(
+        [
+            "-m",
+            "tests.engine_sim",
+            "prefill",
+            "--port",
+            str(port),
+            "--tokens",
+            "300",
+            "--requests",
+            "3",
+            "--lease-s",
+            "60",
+        ]
+    )
+    try:
+        yield child, child.wait_json(READY, 180)
+    finally:
+        child.kill()
+
+
+def test_pd_transfer_through_vllm_scheduler(prefill_engine):
+    child, ready = prefill_engine
+    requests = ready["requests"]
+    assert ready["owners"] == 6 and ready["regions"] == 1
+    for info in requests.values():
+        params = info["kv_transfer_params"]
+        assert params["do_remote_prefill"] is True and len(params["remote_block_ids"]) == 6
+
+    decode = Engine("g4tiny", "per_layer", "kv_consumer", free_port())
+    good = {rid: requests[rid] for rid in ("p0", "p1")}
+    report = decode_requests(decode, good, 300)
+
+    # Every layer (sharers through their alias) holds prefill's KV in decode's own blocks.
+    assert decode.loaded == {"d0": [], "d1": []}
+    assert all(r["kv_transfer_params"] is None for r in report.values())  # no load error
+    reads = sum(s["reads"] for s in decode.stats)
+    assert reads == 2 and sum(s["MB read"] for s in decode.stats) > 0
+
+    # Negative control: the same check fails when decode reads the wrong blocks.
+    bad = dict(requests["p2"])
+    params = dict(bad["kv_transfer_params"])
+    params["remote_block_ids"] = [list(reversed(ids)) for ids in params["remote_block_ids"]]
+    bad["kv_transfer_params"] = params
+    decode_requests(decode, {"p2": bad}, 300)
+    assert decode.loaded["d2"], "reading the wrong blocks went unnoticed"
+
+    # Prefill freed every block once decode had read them (no leaked KV blocks).
+    result = child.wait_json(RESULT, 60)
+    assert result["held"] == []
+    assert result["free_blocks"] == result["total_blocks"]
+    assert sum(s["sent"] for s in result["stats"]) == 3
+    # Decode freed its blocks too once its requests finished.
+    pool = decode.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+def test_unreachable_prefill_and_malformed_params_are_computed_locally():
+    decode = Engine(
+        "g4tiny",
+        "per_layer",
+        "kv_consumer",
+        free_port(),
+        {"handshake_timeout_s": 1.0, "transfer_timeout_s": 2.0},
+    )
+    dead_port = free_port()  # nothing listens here
+    unreachable = {
+        "do_remote_prefill": True,
+        "remote_block_ids": [[1, 2]] * 6,
+        "remote_engine_id": "gone",
+        "remote_request_id": "p0",
+        "remote_host": "127.0.0.1",
+        "remote_port": dead_port,
+        "tp_size": 1,
+    }
+    malformed = {"do_remote_prefill": True, "remote_block_ids": "not a list"}
+    report = decode_requests(
+        decode,
+        {"p0": {"kv_transfer_params": unreachable}, "p1": {"kv_transfer_params": malformed}},
+        200,
+    )
+    # Both requests still finish (computed locally), each with the reason.
+    assert (
+        "no answer from the prefill side channel"
+        in report["d0"]["kv_transfer_params"]["kv_load_error"]
+    )
+    assert "remote_block_ids" in report["d1"]["kv_transfer_params"]["kv_load_error"]
+    assert report["d0"]["tokens"] and report["d1"]["tokens"]
+    pool = decode.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    assert decode.worker.worker.sink.in_flight == set()
+
+
+def test_decode_that_never_comes_releases_the_lease():
+    port = free_port()
+    child = Child(
+        [
+            "-m",
+            "tests.engine_sim",
+            "prefill",
+            "--port",
+            str(port),
+            "--tokens",
+            "200",
+            "--requests",
+            "2",
+            "--lease-s",
+            "2",
+        ]
+    )
+    try:
+        child.wait_json(READY, 180)
+        result = child.wait_json(RESULT, 60)
+    finally:
+        child.kill()
+    assert result["held"] == []
+    assert result["free_blocks"] == result["total_blocks"]
+    assert sum(s["expired_leases"] for s in result["stats"]) == 2
+
+
+def test_cross_layer_blocks_pd_transfer():
+    port = free_port()
+    child = Child(
+        [
+            "-m",
+            "tests.engine_sim",
+            "prefill",
+            "--model",
+            "g4uniform",
+            "--layout",
+            "cross_layer",
+            "--port",
+            str(port),
+            "--tokens",
+            "250",
+            "--requests",
+            "1",
+        ]
+    )
+    try:
+        ready = child.wait_json(READY, 180)
+        decode = Engine("g4uniform", "per_layer", "kv_consumer", free_port())
+        assert decode.topology.layout == "per_layer"
+        decode_requests(decode, ready["requests"], 250)
+        assert decode.loaded == {"d0": []}
+        result = child.wait_json(RESULT, 60)
+        assert result["free_blocks"] == result["total_blocks"]
+    finally:
+        child.kill()
