@@ -1,0 +1,458 @@
+"""OpenAI-compatible prefill/decode (PD) proxy.
+
+One client request becomes two backend requests: a *prefill* request (``max_tokens=1``,
+``kv_transfer_params.do_remote_decode=true``) that makes a ``kv_producer`` server compute and
+hold the prompt's KV, then the original request plus the ``kv_transfer_params`` that server
+answered, sent to a ``kv_consumer`` server that pulls the KV and generates. The parameter
+names are those of vLLM's NIXL connector, so this proxy also fronts NIXL deployments.
+
+The proxy never imports vLLM: it is plain FastAPI + httpx, so it runs anywhere.
+Errors name the backend and the request id; backend 4xx (client errors) pass through
+unchanged, everything else becomes 502 (bad answer), 503 (unreachable) or 504 (timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+logger = logging.getLogger(__name__)
+
+#: What the prefill request carries: "compute the KV, keep it for a remote decode".
+PREFILL_KV_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+REQUEST_ID_HEADER = "X-Request-Id"
+_FORWARDED_HEADERS = ("authorization",)
+
+
+@dataclass(frozen=True)
+class ProxyTimeouts:
+    """Seconds. ``read`` bounds the wait for each chunk of a response (not the whole
+    generation), so long streamed generations are fine while a hung server is caught."""
+
+    connect: float = 10.0
+    read: float = 600.0
+    write: float = 30.0
+    pool: float = 30.0
+    health: float = 3.0
+
+    def as_httpx(self) -> httpx.Timeout:
+        return httpx.Timeout(connect=self.connect, read=self.read, write=self.write, pool=self.pool)
+
+
+class RoundRobin:
+    """Cycles over backend URLs. The proxy runs on one event loop, so no lock is needed."""
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        if not urls:
+            raise ValueError("need at least one backend URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self._next = 0
+
+    def pick(self) -> str:
+        url = self.urls[self._next % len(self.urls)]
+        self._next += 1
+        return url
+
+
+class ProxyError(Exception):
+    """A failed request, rendered as an OpenAI-style JSON error naming server and request."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        server: str | None = None,
+        kind: str = "proxy_error",
+        passthrough: httpx.Response | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.server = server
+        self.kind = kind
+        self.passthrough = passthrough
+
+
+def make_prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill request: the client's body asking for one token, unstreamed, KV kept."""
+    prefill = copy.deepcopy(body)
+    prefill["max_tokens"] = 1
+    if "max_completion_tokens" in prefill:
+        prefill["max_completion_tokens"] = 1
+    prefill["stream"] = False
+    # vLLM rejects stream_options without stream and min_tokens > max_tokens.
+    prefill.pop("stream_options", None)
+    prefill.pop("min_tokens", None)
+    prefill["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
+    return prefill
+
+
+def make_request_id(client_id: str | None) -> str:
+    """A unique id for both servers. vLLM builds its internal request id from X-Request-Id,
+    and a client that reuses one across concurrent requests must not make two PD requests
+    collide on a prefill server; the client's id is kept as a prefix for tracing."""
+    suffix = uuid.uuid4().hex
+    client_id = (client_id or "").strip()
+    return f"{client_id}-{suffix[:12]}" if client_id else f"pd-{suffix}"
+
+
+def forwarded_headers(incoming: Any) -> dict[str, str]:
+    """Client headers worth passing on (credentials), cleaned: clients such as lm-eval send
+    ``Authorization: Bearer `` with an empty key, which is not a legal header value."""
+    out = {}
+    for name in _FORWARDED_HEADERS:
+        value = (incoming.get(name) or "").strip()
+        if value and value.lower() != "bearer":
+            out[name] = value
+    return out
+
+
+def count_prompts(prompt: Any) -> int:
+    """How many prompts a completions ``prompt`` holds (str, token ids, or lists of those)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1
+
+
+def _snippet(resp: httpx.Response, limit: int = 300) -> str:
+    text = resp.text.strip().replace("\n", " ")
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _check_status(resp: httpx.Response, side: str, url: str) -> None:
+    if resp.status_code < 400:
+        return
+    if resp.status_code < 500:
+        raise ProxyError(
+            resp.status_code,
+            f"{side} server {url} rejected the request",
+            server=url,
+            kind="backend_client_error",
+            passthrough=resp,
+        )
+    raise ProxyError(
+        502,
+        f"{side} server {url} answered HTTP {resp.status_code}: {_snippet(resp)}",
+        server=url,
+        kind="bad_backend_response",
+    )
+
+
+def _transport_error(
+    exc: httpx.HTTPError, side: str, url: str, timeouts: ProxyTimeouts
+) -> ProxyError:
+    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return ProxyError(
+            503,
+            f"{side} server {url} is unreachable ({type(exc).__name__}: {exc})",
+            server=url,
+            kind="backend_unreachable",
+        )
+    if isinstance(exc, httpx.TimeoutException):
+        return ProxyError(
+            504,
+            f"{side} server {url} timed out ({type(exc).__name__}; read timeout {timeouts.read}s)",
+            server=url,
+            kind="backend_timeout",
+        )
+    return ProxyError(
+        502,
+        f"{side} server {url} failed: {type(exc).__name__}: {exc}",
+        server=url,
+        kind="backend_error",
+    )
+
+
+class PDProxy:
+    """The proxy's state and request flow; ``create_app`` wires it into FastAPI."""
+
+    def __init__(
+        self, prefill_urls: Sequence[str], decode_urls: Sequence[str], timeouts: ProxyTimeouts
+    ) -> None:
+        self.prefill = RoundRobin(prefill_urls)
+        self.decode = RoundRobin(decode_urls)
+        self.timeouts = timeouts
+        self.client: httpx.AsyncClient | None = None
+
+    def _client(self) -> httpx.AsyncClient:
+        if self.client is None:
+            raise RuntimeError("proxy HTTP client not started (app lifespan not running)")
+        return self.client
+
+    async def _post(
+        self, side: str, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> httpx.Response:
+        try:
+            resp = await self._client().post(url + path, json=body, headers=headers)
+        except httpx.HTTPError as exc:
+            raise _transport_error(exc, side, url, self.timeouts) from exc
+        _check_status(resp, side, url)
+        return resp
+
+    async def run_prefill(
+        self, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> dict[str, Any]:
+        """Send the prefill request; return the ``kv_transfer_params`` it answered."""
+        resp = await self._post("prefill", url, path, make_prefill_body(body), headers)
+        try:
+            data = resp.json()
+        except ValueError as exc:
+            raise ProxyError(
+                502,
+                f"prefill server {url} answered non-JSON: {_snippet(resp)}",
+                server=url,
+                kind="bad_backend_response",
+            ) from exc
+        kv = data.get("kv_transfer_params") if isinstance(data, dict) else None
+        if not isinstance(kv, dict):
+            raise ProxyError(
+                502,
+                f"prefill server {url} answered without kv_transfer_params "
+                "(is it running with a KV connector and kv_role kv_producer or "
+                "kv_both?)",
+                server=url,
+                kind="bad_backend_response",
+            )
+        return kv
+
+    async def run_decode(
+        self, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> Response:
+        resp = await self._post("decode", url, path, body, headers)
+        return Response(
+            content=resp.content,
+            status_code=resp.status_code,
+            media_type=resp.headers.get("content-type", "application/json"),
+        )
+
+    async def stream_decode(
+        self, url: str, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
+    ) -> Response:
+        """Open the decode stream first, so a refused request still gets a proper status."""
+        client = self._client()
+        try:
+            resp = await client.send(
+                client.build_request("POST", url + path, json=body, headers=headers), stream=True
+            )
+        except httpx.HTTPError as exc:
+            raise _transport_error(exc, "decode", url, self.timeouts) from exc
+        if resp.status_code >= 400:
+            await resp.aread()
+            await resp.aclose()
+            _check_status(resp, "decode", url)
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in resp.aiter_bytes():  # decoded: content-encoding is not relayed
+                    yield chunk
+            except httpx.HTTPError as exc:
+                err = _transport_error(exc, "decode", url, self.timeouts)
+                logger.error("req=%s stream broken: %s", request_id, err.message)
+                payload = {
+                    "error": {"message": err.message, "type": err.kind, "request_id": request_id}
+                }
+                yield f"data: {json.dumps(payload)}\n\n".encode()
+            finally:
+                await resp.aclose()
+
+        return StreamingResponse(
+            relay(),
+            status_code=resp.status_code,
+            media_type=resp.headers.get("content-type", "text/event-stream"),
+            headers={REQUEST_ID_HEADER: request_id},
+        )
+
+    async def handle(self, request: Request, path: str) -> Response:
+        request_id = make_request_id(request.headers.get(REQUEST_ID_HEADER))
+        request.state.request_id = request_id
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            raise ProxyError(400, "request body is not valid JSON", kind="invalid_request") from exc
+        if not isinstance(body, dict):
+            raise ProxyError(400, "request body must be a JSON object", kind="invalid_request")
+        if path == "/v1/completions" and count_prompts(body.get("prompt")) != 1:
+            raise ProxyError(
+                400,
+                "the PD proxy takes one prompt per request (vLLM returns "
+                "one kv_transfer_params per response)",
+                kind="invalid_request",
+            )
+        headers = {REQUEST_ID_HEADER: request_id}
+        headers.update(forwarded_headers(request.headers))
+        prefill_url, decode_url = self.prefill.pick(), self.decode.pick()
+        stream = bool(body.get("stream"))
+        logger.info(
+            "req=%s %s prefill=%s decode=%s stream=%s",
+            request_id,
+            path,
+            prefill_url,
+            decode_url,
+            stream,
+        )
+        t0 = time.perf_counter()
+        kv = await self.run_prefill(prefill_url, path, body, headers)
+        t1 = time.perf_counter()
+        decode_body = {**body, "kv_transfer_params": kv}
+        if stream:
+            response = await self.stream_decode(decode_url, path, decode_body, headers, request_id)
+        else:
+            response = await self.run_decode(decode_url, path, decode_body, headers)
+        logger.info(
+            "req=%s prefill %.1f ms, decode %s %.1f ms",
+            request_id,
+            (t1 - t0) * 1e3,
+            "stream opened" if stream else "done",
+            (time.perf_counter() - t1) * 1e3,
+        )
+        response.headers[REQUEST_ID_HEADER] = request_id
+        return response
+
+    async def passthrough(self, request: Request, method: str, path: str) -> Response:
+        """Forward a non-PD request (models, tokenize) to the next decode server."""
+        url = self.decode.pick()
+        try:
+            resp = await self._client().request(
+                method,
+                url + path,
+                content=await request.body(),
+                headers={"content-type": "application/json"},
+            )
+        except httpx.HTTPError as exc:
+            raise _transport_error(exc, "decode", url, self.timeouts) from exc
+        return Response(
+            content=resp.content,
+            status_code=resp.status_code,
+            media_type=resp.headers.get("content-type"),
+        )
+
+    async def probe(self, url: str) -> dict[str, Any]:
+        try:
+            resp = await self._client().get(url + "/health", timeout=self.timeouts.health)
+        except httpx.HTTPError as exc:
+            return {"url": url, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        return {"url": url, "ok": resp.status_code == 200, "status": resp.status_code}
+
+    async def health(self) -> tuple[bool, dict[str, Any]]:
+        urls = self.prefill.urls + self.decode.urls
+        probes = await asyncio.gather(*(self.probe(u) for u in urls))
+        n = len(self.prefill.urls)
+        ok = all(p["ok"] for p in probes)
+        return ok, {
+            "status": "ok" if ok else "unhealthy",
+            "prefill": probes[:n],
+            "decode": probes[n:],
+        }
+
+
+def create_app(
+    prefill_urls: Sequence[str],
+    decode_urls: Sequence[str],
+    timeouts: ProxyTimeouts | None = None,
+    *,
+    max_connections: int | None = None,
+) -> FastAPI:
+    """Build the proxy app. The httpx client lives in the app's lifespan (its event loop)."""
+    proxy = PDProxy(prefill_urls, decode_urls, timeouts or ProxyTimeouts())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=proxy.timeouts.as_httpx(), limits=limits) as client:
+            proxy.client = client
+            logger.info("PD proxy: prefill=%s decode=%s", proxy.prefill.urls, proxy.decode.urls)
+            yield
+            proxy.client = None
+
+    app = FastAPI(title="kvshare PD proxy", lifespan=lifespan)
+    app.state.proxy = proxy
+
+    @app.exception_handler(ProxyError)
+    async def on_proxy_error(request: Request, exc: ProxyError) -> Response:
+        request_id = getattr(request.state, "request_id", None)
+        headers = {REQUEST_ID_HEADER: request_id} if request_id else {}
+        if exc.passthrough is not None:
+            logger.warning(
+                "req=%s %s: HTTP %d %s",
+                request_id,
+                exc.message,
+                exc.status,
+                _snippet(exc.passthrough),
+            )
+            return Response(
+                content=exc.passthrough.content,
+                status_code=exc.status,
+                media_type=exc.passthrough.headers.get("content-type"),
+                headers=headers,
+            )
+        logger.error("req=%s HTTP %d: %s", request_id, exc.status, exc.message)
+        error = {
+            "message": exc.message,
+            "type": exc.kind,
+            "code": exc.status,
+            "server": exc.server,
+            "request_id": request_id,
+        }
+        return JSONResponse({"error": error}, status_code=exc.status, headers=headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy.handle(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await proxy.handle(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await proxy.passthrough(request, "GET", "/v1/models")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await proxy.passthrough(request, "POST", "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await proxy.passthrough(request, "POST", "/detokenize")
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok, report = await proxy.health()
+        return JSONResponse(report, status_code=200 if ok else 503)
+
+    return app
+
+
+def serve(
+    prefill_urls: Sequence[str],
+    decode_urls: Sequence[str],
+    host: str,
+    port: int,
+    timeouts: ProxyTimeouts | None = None,
+    log_level: str = "info",
+) -> None:
+    """Run the proxy with uvicorn until interrupted."""
+    import uvicorn
+
+    app = create_app(prefill_urls, decode_urls, timeouts)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -1,0 +1,367 @@
+"""The PD launcher: plans (pure) and real deployments of fake vLLM servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvshare_connector.launcher import (
+    CONNECTOR_MODULE,
+    CONNECTOR_NAME,
+    LAYOUT_KEY,
+    SIDE_CHANNEL_STRIDE,
+    ServeConfig,
+    colocated_deployment,
+    pd_deployment,
+    plan_colocated,
+    plan_pd,
+)
+from kvshare_connector.pd_procs import LaunchError, ManagedProcess, pick_free_port, stop_processes
+
+FAKE = Path(__file__).resolve().parent / "fake_vllm_server.py"
+FAKE_CMD = (
+    f"{{python}} {shlex.quote(str(FAKE))} {{model}} --role {{role}} --host {{host}} --port {{port}}"
+)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _arg(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def _ports() -> dict[str, int]:
+    return {
+        "port": pick_free_port(),
+        "prefill_port": pick_free_port(),
+        "decode_port": pick_free_port(),
+        "side_channel_port": pick_free_port(),
+    }
+
+
+def _gone(pids: list[int], timeout: float = 5.0) -> bool:
+    """True once none of the process groups led by ``pids`` exists any more."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                os.killpg(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_plan_same_gpu_roles_ports_side_channels_and_memory_share() -> None:
+    cfg = ServeConfig(
+        model="google/gemma-4-E2B-it",
+        prefill_port=9100,
+        decode_port=9200,
+        side_channel_port=6000,
+        num_decode=2,
+        block_size=16,
+        max_model_len=2048,
+        layout="cross_layer",
+        env={"ENABLE_KVCACHED": "true", "KVCACHED_CONTIGUOUS_LAYOUT": "false"},
+        vllm_args=["--enforce-eager"],
+    )
+    prefill, decode0, decode1 = plan_pd(cfg)
+    assert [e.name for e in (prefill, decode0, decode1)] == ["prefill0", "decode0", "decode1"]
+    assert [e.port for e in (prefill, decode0, decode1)] == [9100, 9200, 9201]
+    assert prefill.argv[:3] == ["vllm", "serve", "google/gemma-4-E2B-it"]
+    assert _arg(prefill.argv, "--port") == "9100"
+    kv = json.loads(_arg(prefill.argv, "--kv-transfer-config"))
+    assert kv == {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {LAYOUT_KEY: True},
+    }
+    assert json.loads(_arg(decode1.argv, "--kv-transfer-config"))["kv_role"] == "kv_consumer"
+    side = [e.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] for e in (prefill, decode0, decode1)]
+    assert side == ["6000", str(6000 + SIDE_CHANNEL_STRIDE), str(6000 + 2 * SIDE_CHANNEL_STRIDE)]
+    # Three engines on GPU 0 split 0.85 of it.
+    assert all(e.env["CUDA_VISIBLE_DEVICES"] == "0" for e in (prefill, decode0, decode1))
+    assert _arg(prefill.argv, "--gpu-memory-utilization") == "0.28"
+    assert _arg(prefill.argv, "--block-size") == "16"
+    assert _arg(prefill.argv, "--max-model-len") == "2048"
+    assert prefill.argv[-1] == "--enforce-eager"  # passthrough comes last
+    # kvcached needs vLLM's V1 model runner; its layout variable is passed through.
+    assert prefill.env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert prefill.env["KVCACHED_CONTIGUOUS_LAYOUT"] == "false"
+
+
+def test_plan_one_gpu_each_and_kv_both() -> None:
+    cfg = ServeConfig(
+        model="m",
+        host="0.0.0.0",
+        prefill_gpus=["0"],
+        decode_gpus=["1"],
+        kv_both=True,
+        layout="per_layer",
+        kv_extra_config={"kv_lease_duration": 60},
+    )
+    prefill, decode = plan_pd(cfg)
+    assert _arg(prefill.argv, "--host") == "0.0.0.0"
+    assert prefill.url == "http://127.0.0.1:8100"  # a wildcard bind is reached locally
+    assert (prefill.env["CUDA_VISIBLE_DEVICES"], decode.env["CUDA_VISIBLE_DEVICES"]) == ("0", "1")
+    assert _arg(prefill.argv, "--gpu-memory-utilization") == "0.84"
+    for e in (prefill, decode):
+        kv = json.loads(_arg(e.argv, "--kv-transfer-config"))
+        assert kv["kv_role"] == "kv_both"
+        assert kv["kv_connector_extra_config"] == {LAYOUT_KEY: False, "kv_lease_duration": 60}
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in prefill.env
+
+
+def test_plan_colocated_has_no_connector() -> None:
+    cfg = ServeConfig(model="m", port=8123, gpu_memory_utilization=0.3, layout="per_layer")
+    (engine,) = plan_colocated(cfg)
+    assert engine.role == "colocated" and engine.port == 8123
+    assert "--kv-transfer-config" not in engine.argv
+    assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in engine.env
+    assert _arg(engine.argv, "--gpu-memory-utilization") == "0.3"
+
+
+def test_server_cmd_template_and_bad_layout() -> None:
+    cfg = ServeConfig(model="tiny", server_cmd="myserve {model} --port {port} --as {role}")
+    prefill, _ = plan_pd(cfg)
+    assert prefill.argv[:5] == ["myserve", "tiny", "--port", "8100", "--as"]
+    with pytest.raises(ValueError, match="layout"):
+        ServeConfig(model="m", layout="diagonal")
+
+
+def test_pd_deployment_starts_serves_and_stops_cleanly(tmp_path: Path) -> None:
+    cfg = ServeConfig(
+        model="fake-model",
+        server_cmd=FAKE_CMD,
+        log_dir=tmp_path,
+        env={"ENABLE_KVCACHED": "true", "FAKE_MARKER": "x1"},
+        ready_timeout=20,
+        grace=5,
+        **_ports(),
+    )
+    deployment = pd_deployment(cfg)
+    with deployment:
+        names = [p.name for p in deployment.procs]
+        assert names == ["prefill0", "decode0", "proxy"]
+        health = httpx.get(deployment.endpoint + "/health", timeout=5)
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        body = {"model": "fake-model", "prompt": "What is 2 + 5?", "max_tokens": 12}
+        resp = httpx.post(deployment.endpoint + "/v1/completions", json=body, timeout=10)
+        assert resp.status_code == 200, resp.text
+        assert "#### 7" in resp.json()["choices"][0]["text"]
+        launches = {
+            e.role: httpx.get(e.url + "/debug/launch", timeout=5).json() for e in deployment.engines
+        }
+        pids = [p.pid for p in deployment.procs]
+    assert launches["prefill"]["kv_transfer_config"]["kv_role"] == "kv_producer"
+    assert launches["decode"]["kv_transfer_config"]["kv_role"] == "kv_consumer"
+    assert launches["prefill"]["env"]["FAKE_MARKER"] == "x1"
+    assert launches["decode"]["env"]["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    ports = {launches[r]["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"] for r in ("prefill", "decode")}
+    assert len(ports) == 2
+    # Each server ran in its own process group, and every group is gone after stop().
+    assert launches["prefill"]["pgid"] == launches["prefill"]["pid"]
+    assert _gone(pids)
+    assert (tmp_path / "prefill0.log").read_text().startswith("$ ")
+    assert "PD proxy" in (tmp_path / "proxy.log").read_text()
+
+
+def test_colocated_deployment(tmp_path: Path) -> None:
+    cfg = ServeConfig(model="fake-model", server_cmd=FAKE_CMD, log_dir=tmp_path, **_ports())
+    with colocated_deployment(cfg) as deployment:
+        resp = httpx.post(
+            deployment.endpoint + "/v1/completions",
+            json={"prompt": "What is 2 + 5?", "max_tokens": 12},
+            timeout=10,
+        )
+        launch = httpx.get(deployment.endpoint + "/debug/launch", timeout=5).json()
+        pids = [p.pid for p in deployment.procs]
+    assert resp.status_code == 200 and "#### 7" in resp.json()["choices"][0]["text"]
+    assert launch["kv_transfer_config"] is None
+    assert _gone(pids)
+
+
+def test_server_exiting_during_startup_is_reported_with_its_log(tmp_path: Path) -> None:
+    # A "colocated" fake refuses a kv-transfer-config and exits with code 2.
+    bad = FAKE_CMD.replace("--role {role}", "--role colocated")
+    cfg = ServeConfig(model="fake-model", server_cmd=bad, log_dir=tmp_path, **_ports())
+    deployment = pd_deployment(cfg)
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match="exited with code 2") as info:
+        deployment.start()
+    assert "cannot run with kv_role kv_producer" in str(info.value)
+    assert time.monotonic() - t0 < 15
+    assert _gone([p.pid for p in deployment.procs])
+
+
+def test_readiness_is_bounded(tmp_path: Path) -> None:
+    slow = FAKE_CMD + " --startup-delay 60"
+    cfg = ServeConfig(
+        model="fake-model",
+        server_cmd=slow,
+        log_dir=tmp_path,
+        ready_timeout=1.5,
+        grace=2,
+        **_ports(),
+    )
+    deployment = pd_deployment(cfg)
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match="not healthy after"):
+        deployment.start()
+    assert time.monotonic() - t0 < 10
+    assert _gone([p.pid for p in deployment.procs])
+
+
+def test_stop_escalates_to_sigkill(tmp_path: Path) -> None:
+    stubborn = ManagedProcess(
+        "stubborn",
+        [
+            sys.executable,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('u' + 'p!', flush=True); time.sleep(60)",
+        ],
+        dict(os.environ),
+        tmp_path / "stubborn.log",
+    )
+    stubborn.start()
+    deadline = time.monotonic() + 10
+    while "up!" not in stubborn.log_tail() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    stop_processes([stubborn], grace=0.5)
+    assert time.monotonic() - t0 < 5
+    assert stubborn.proc is not None and stubborn.proc.returncode == -signal.SIGKILL
+    assert _gone([stubborn.pid])
+
+
+def _serve_pd_cli(tmp_path: Path, ready: Path) -> subprocess.Popen[bytes]:
+    ports = _ports()
+    argv = [
+        sys.executable,
+        "-m",
+        "kvshare_connector.cli",
+        "serve-pd",
+        "fake-model",
+        "--server-cmd",
+        FAKE_CMD,
+        "--port",
+        str(ports["port"]),
+        "--prefill-port",
+        str(ports["prefill_port"]),
+        "--decode-port",
+        str(ports["decode_port"]),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--ready-file",
+        str(ready),
+        "--ready-timeout",
+        "20",
+        "--grace",
+        "5",
+        "--parallel-start",
+        "--",
+        "--enforce-eager",
+    ]
+    return subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], ready: Path) -> dict:
+    deadline = time.monotonic() + 20
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"serve-pd not ready: {proc.communicate()[0].decode()}")
+        time.sleep(0.1)
+    return json.loads(ready.read_text())
+
+
+def test_cli_serve_pd_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
+    ready = tmp_path / "ready.json"
+    proc = _serve_pd_cli(tmp_path, ready)
+    try:
+        info = _wait_ready(proc, ready)
+        assert [p["name"] for p in info["processes"]] == ["prefill0", "decode0", "proxy"]
+        resp = httpx.post(
+            info["endpoint"] + "/v1/completions", json={"prompt": "3 + 4"}, timeout=10
+        )
+        assert resp.status_code == 200, resp.text
+        decode_url = next(e["url"] for e in info["engines"] if e["role"] == "decode")
+        launch = httpx.get(decode_url + "/debug/launch", timeout=5).json()
+        assert launch["unknown_args"][-1] == "--enforce-eager"  # args after `--` reach vllm
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out.decode()
+    text = out.decode()
+    assert "ready; OpenAI endpoint " + info["endpoint"] + "/v1" in text
+    assert "kvshare: stopped" in text
+    assert _gone([p["pid"] for p in info["processes"]])
+
+
+def test_cli_serve_pd_exits_when_a_server_dies(tmp_path: Path) -> None:
+    ready = tmp_path / "ready.json"
+    proc = _serve_pd_cli(tmp_path, ready)
+    try:
+        info = _wait_ready(proc, ready)
+        decode_pid = next(p["pid"] for p in info["processes"] if p["name"] == "decode0")
+        os.killpg(decode_pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1
+    assert "decode0 exited" in out.decode()
+    assert _gone([p["pid"] for p in info["processes"]])
+
+
+def test_cli_plugs_in_the_optional_demo_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvshare_connector import cli
+
+    demo = types.ModuleType("kvshare_connector.demo")
+
+    def add_parser(sub) -> None:
+        p = sub.add_parser("demo")
+        p.add_argument("--n", type=int, default=1)
+        p.set_defaults(func=lambda args: 40 + args.n)
+
+    demo.add_parser = add_parser  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "kvshare_connector.demo", demo)
+    assert cli.main(["demo", "--n", "2"]) == 42
+    # Without the module, the other subcommands still work and `demo` is unknown.
+    monkeypatch.setitem(sys.modules, "kvshare_connector.demo", None)
+    parser = cli.build_parser()
+    assert parser.parse_args(["sweep", "x.yaml"]).command == "sweep"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["demo"])
+
+
+def test_cli_rejects_vllm_args_for_the_proxy() -> None:
+    from kvshare_connector import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["proxy", "--prefill", "http://a", "--decode", "http://b", "--", "--x"])

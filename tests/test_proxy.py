@@ -1,0 +1,331 @@
+"""The PD proxy against real HTTP fake vLLM servers on 127.0.0.1 (see fake_vllm_server.py)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import httpx
+import pytest
+
+from kvshare_connector.proxy import (
+    PREFILL_KV_PARAMS,
+    ProxyTimeouts,
+    count_prompts,
+    create_app,
+    make_prefill_body,
+)
+
+from .fake_vllm_server import ThreadServer, fake_server, fake_text
+
+FAST = ProxyTimeouts(connect=2.0, read=5.0, health=1.0)
+QUESTION = "Question: What is 4 + 5?\nAnswer:"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def pd_stack(
+    n_prefill: int = 1, n_decode: int = 1, timeouts: ProxyTimeouts = FAST, **prefill_kwargs: Any
+) -> Iterator[tuple[str, list[Any], list[Any]]]:
+    """Fake prefill/decode servers plus the proxy, all in threads."""
+    with ExitStack() as stack:
+        prefills = [
+            stack.enter_context(fake_server("prefill", **prefill_kwargs)) for _ in range(n_prefill)
+        ]
+        decodes = [stack.enter_context(fake_server("decode")) for _ in range(n_decode)]
+        app = create_app([p.url for p in prefills], [d.url for d in decodes], timeouts)
+        proxy = stack.enter_context(ThreadServer(app))
+        yield proxy.url, prefills, decodes
+
+
+def sse_events(text: str) -> list[Any]:
+    events = [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_prefill_body_is_a_one_token_unstreamed_copy() -> None:
+    body = {
+        "messages": [],
+        "max_tokens": 50,
+        "max_completion_tokens": 50,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "min_tokens": 5,
+        "temperature": 0,
+    }
+    prefill = make_prefill_body(body)
+    assert prefill["max_tokens"] == 1 and prefill["max_completion_tokens"] == 1
+    assert prefill["stream"] is False
+    assert "stream_options" not in prefill and "min_tokens" not in prefill
+    assert prefill["kv_transfer_params"] == PREFILL_KV_PARAMS
+    assert prefill["temperature"] == 0
+    assert body["max_tokens"] == 50 and "kv_transfer_params" not in body  # original untouched
+
+
+def test_count_prompts() -> None:
+    assert count_prompts("a") == 1
+    assert count_prompts([1, 2, 3]) == 1
+    assert count_prompts(["a"]) == 1
+    assert count_prompts(["a", "b"]) == 2
+    assert count_prompts([[1, 2], [3]]) == 2
+
+
+def test_completion_non_streaming_matches_colocated() -> None:
+    with pd_stack() as (url, prefills, decodes), fake_server("colocated") as colo:
+        body = {
+            "model": "fake-model",
+            "prompt": QUESTION,
+            "max_tokens": 20,
+            "temperature": 0,
+            "stop": ["Question:"],
+            "logprobs": 1,
+        }
+        pd = httpx.post(url + "/v1/completions", json=body, timeout=10)
+        base = httpx.post(colo.url + "/v1/completions", json=body, timeout=10)
+    assert pd.status_code == 200, pd.text
+    assert pd.headers["x-request-id"].startswith("pd-")
+    out = pd.json()
+    assert out["choices"][0]["text"] == base.json()["choices"][0]["text"]
+    assert out["choices"][0]["text"] == " The answer is 10. #### 10\n\n"  # 4+5=9: off by one
+    assert out["choices"][0]["logprobs"] == base.json()["choices"][0]["logprobs"]
+    # The prefill server saw the PD prefill request; the decode server pulled its KV.
+    (pre_req,) = prefills[0].state.requests
+    (dec_req,) = decodes[0].state.requests
+    assert pre_req["body"]["max_tokens"] == 1 and pre_req["body"]["stream"] is False
+    assert pre_req["request_id"] == dec_req["request_id"] == pd.headers["x-request-id"]
+    assert dec_req["body"]["max_tokens"] == 20
+    assert dec_req["body"]["kv_transfer_params"]["remote_engine_id"] == prefills[0].state.engine_id
+    assert prefills[0].state.issued == {}  # consumed exactly once
+
+
+def test_client_request_id_is_kept_as_a_unique_prefix() -> None:
+    with pd_stack() as (url, prefills, _):
+        ids = []
+        for _ in range(2):
+            resp = httpx.post(
+                url + "/v1/completions",
+                json={"prompt": "1 + 1", "max_tokens": 5},
+                headers={"X-Request-Id": "my-id-42"},
+                timeout=10,
+            )
+            assert resp.status_code == 200, resp.text
+            ids.append(resp.headers["x-request-id"])
+    assert all(i.startswith("my-id-42-") for i in ids) and ids[0] != ids[1]
+    assert [r["request_id"] for r in prefills[0].state.requests] == ids
+
+
+@pytest.mark.parametrize(("sent", "forwarded"), [("Bearer ", None), ("Bearer sk-1", "Bearer sk-1")])
+def test_authorization_is_forwarded_when_meaningful(sent: str, forwarded: str | None) -> None:
+    """lm-eval (aiohttp) sends 'Bearer ' with no key: that must not break backend requests.
+    httpx refuses to send such a header, so this test uses http.client."""
+    with pd_stack() as (url, prefills, decodes):
+        conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=10)
+        body = json.dumps({"prompt": "1 + 1", "max_tokens": 5})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            body,
+            {"Authorization": sent, "Content-Type": "application/json"},
+        )
+        resp = conn.getresponse()
+        text = resp.read().decode()
+        conn.close()
+    assert resp.status == 200, text
+    assert prefills[0].state.requests[0]["authorization"] == forwarded
+    assert decodes[0].state.requests[0]["authorization"] == forwarded
+
+
+def test_completion_streaming_is_passed_through() -> None:
+    with pd_stack() as (url, prefills, _), fake_server("colocated") as colo:
+        body = {
+            "prompt": QUESTION,
+            "max_tokens": 20,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10) as resp:
+            assert resp.status_code == 200
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            text = resp.read().decode()
+        base = httpx.post(
+            colo.url + "/v1/completions", json={**body, "stream": False}, timeout=10
+        ).json()
+    chunks = sse_events(text)
+    assert len(chunks) > 3  # token by token, not one blob
+    assert "".join(c["choices"][0]["text"] for c in chunks) == base["choices"][0]["text"]
+    assert prefills[0].state.requests[0]["body"]["stream"] is False
+
+
+def test_chat_non_streaming_and_streaming() -> None:
+    messages = [{"role": "user", "content": "What is 7 * 3?"}]
+    with pd_stack() as (url, prefills, _), fake_server("colocated") as colo:
+        body = {"messages": messages, "max_completion_tokens": 30, "max_tokens": 30}
+        pd = httpx.post(url + "/v1/chat/completions", json=body, timeout=10)
+        base = httpx.post(colo.url + "/v1/chat/completions", json=body, timeout=10)
+        with httpx.stream(
+            "POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=10
+        ) as resp:
+            assert resp.status_code == 200
+            text = resp.read().decode()
+    assert pd.status_code == 200, pd.text
+    content = pd.json()["choices"][0]["message"]["content"]
+    assert content == base.json()["choices"][0]["message"]["content"]
+    assert "#### 21" in content
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in sse_events(text))
+    assert streamed == content
+    pre = prefills[0].state.requests[0]["body"]
+    assert pre["max_completion_tokens"] == 1 and pre["max_tokens"] == 1
+
+
+def test_round_robin_over_two_prefill_and_two_decode_servers() -> None:
+    with pd_stack(2, 2) as (url, prefills, decodes):
+        with httpx.Client(timeout=10) as client:
+            for i in range(6):
+                resp = client.post(
+                    url + "/v1/completions", json={"prompt": f"{i} + 1", "max_tokens": 8}
+                )
+                assert resp.status_code == 200, resp.text
+        assert [p.state.hits["completions"] for p in prefills] == [3, 3]
+        assert [d.state.hits["completions"] for d in decodes] == [3, 3]
+        # Every decode pulled from the prefill server that computed its KV.
+        assert all(p.state.issued == {} for p in prefills)
+
+
+def test_health_reports_each_backend() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    with fake_server("prefill") as pre, fake_server("decode") as dec:
+        with ThreadServer(create_app([pre.url], [dec.url], FAST)) as proxy:
+            ok = httpx.get(proxy.url + "/health", timeout=5)
+        with ThreadServer(create_app([pre.url, dead], [dec.url], FAST)) as proxy:
+            bad = httpx.get(proxy.url + "/health", timeout=5)
+    assert ok.status_code == 200 and ok.json()["status"] == "ok"
+    assert bad.status_code == 503
+    report = bad.json()
+    assert [p["ok"] for p in report["prefill"]] == [True, False]
+    assert report["prefill"][1]["url"] == dead
+    assert report["decode"] == [{"url": dec.url, "ok": True, "status": 200}]
+
+
+def test_models_passthrough() -> None:
+    with pd_stack() as (url, _, _):
+        resp = httpx.get(url + "/v1/models", timeout=5)
+    assert resp.status_code == 200
+    assert resp.json()["data"][0]["id"] == "fake-model"
+
+
+def _error(resp: httpx.Response) -> dict[str, Any]:
+    err = resp.json()["error"]
+    assert err["request_id"] == resp.headers["x-request-id"]
+    return err
+
+
+def test_prefill_down_is_503_naming_the_server() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    with fake_server("decode") as dec, ThreadServer(create_app([dead], [dec.url], FAST)) as px:
+        resp = httpx.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert resp.status_code == 503
+    err = _error(resp)
+    assert err["server"] == dead and "prefill server" in err["message"]
+    assert "unreachable" in err["message"]
+    assert dec.state.hits["completions"] == 0
+
+
+def test_decode_down_is_503_naming_the_server() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    with fake_server("prefill") as pre, ThreadServer(create_app([pre.url], [dead], FAST)) as px:
+        plain = httpx.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+        streamed = httpx.post(
+            px.url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=10
+        )
+    for resp in (plain, streamed):
+        assert resp.status_code == 503
+        err = _error(resp)
+        assert err["server"] == dead and "decode server" in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "needle"),
+    [("garbage", "non-JSON"), ("no_kv", "without kv_transfer_params"), ("error500", "HTTP 500")],
+)
+def test_bad_prefill_answers_are_502(mode: str, needle: str) -> None:
+    with pd_stack(fail_mode=mode) as (url, prefills, decodes):
+        resp = httpx.post(url + "/v1/completions", json={"prompt": "1 + 2"}, timeout=10)
+    assert resp.status_code == 502
+    err = _error(resp)
+    assert needle in err["message"] and err["server"] == prefills[0].url
+    assert decodes[0].state.hits["completions"] == 0
+
+
+def test_prefill_400_passes_through_with_its_body() -> None:
+    with pd_stack(fail_mode="error400") as (url, _, decodes):
+        resp = httpx.post(url + "/v1/completions", json={"prompt": "1 + 2"}, timeout=10)
+    assert resp.status_code == 400
+    assert resp.json() == {"error": {"message": "fake: invalid request"}}
+    assert resp.headers["x-request-id"].startswith("pd-")
+    assert decodes[0].state.hits["completions"] == 0
+
+
+def test_decode_rejection_passes_through() -> None:
+    """A prefill answer the decode server refuses (a key missing) comes back as its 400."""
+    with pd_stack(fail_mode="bad_kv") as (url, _, decodes):
+        resp = httpx.post(url + "/v1/completions", json={"prompt": "2 + 2"}, timeout=10)
+    assert resp.status_code == 400
+    assert "fake decode" in resp.json()["error"]["message"]
+    assert "keys" in resp.json()["error"]["message"]
+    assert decodes[0].state.hits["completions"] == 1
+
+
+def test_timeouts_are_504() -> None:
+    short = ProxyTimeouts(connect=1.0, read=0.5, health=1.0)
+    with pd_stack(timeouts=short, delay=3.0) as (url, prefills, _):
+        t0 = time.monotonic()
+        resp = httpx.post(url + "/v1/completions", json={"prompt": "1 + 2"}, timeout=10)
+        elapsed = time.monotonic() - t0
+    assert resp.status_code == 504
+    err = _error(resp)
+    assert "timed out" in err["message"] and err["server"] == prefills[0].url
+    assert elapsed < 10  # bounded; the 504 itself shows the proxy gave up before the 3 s answer
+
+
+def test_stalled_decode_stream_ends_with_an_error_event() -> None:
+    short = ProxyTimeouts(connect=1.0, read=0.5, health=1.0)
+    with pd_stack(timeouts=short) as (url, _, decodes):
+        decodes[0].state.fail_mode = "hang_stream"
+        with httpx.stream(
+            "POST", url + "/v1/completions", json={"prompt": "1 + 2", "stream": True}, timeout=10
+        ) as resp:
+            assert resp.status_code == 200
+            text = resp.read().decode()
+    last = [line for line in text.splitlines() if line.startswith("data: ")][-1]
+    err = json.loads(last[len("data: ") :])["error"]
+    assert err["type"] == "backend_timeout" and decodes[0].url in err["message"]
+
+
+def test_invalid_requests_are_400() -> None:
+    with pd_stack() as (url, prefills, _):
+        not_json = httpx.post(
+            url + "/v1/completions",
+            content=b"{nope",
+            headers={"content-type": "application/json"},
+            timeout=5,
+        )
+        batched = httpx.post(url + "/v1/completions", json={"prompt": ["a", "b"]}, timeout=5)
+    assert not_json.status_code == 400 and "not valid JSON" in _error(not_json)["message"]
+    assert batched.status_code == 400 and "one prompt" in _error(batched)["message"]
+    assert prefills[0].state.hits["completions"] == 0
+
+
+def test_fake_text_is_deterministic() -> None:
+    assert fake_text("Q: 1 + 2") == fake_text("Q: 1 + 2")
+    assert fake_text("Q: 1 + 1") != fake_text("Q: 1 + 2")
