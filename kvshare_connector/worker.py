@@ -8,6 +8,7 @@ advances them; failures end one request, never the engine.
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +72,7 @@ class KVShareWorker:
     # -- registration ----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        started = time.perf_counter()
         context = self.vllm_config.compilation_config.static_forward_context
         sharing = vllm_adapter.sharing_map(context)
         backends = {
@@ -82,9 +84,10 @@ class KVShareWorker:
         topology = vllm_adapter.topology_from_kv_caches(
             self.kv_cache_config, kv_caches, backends, sharing, layout
         )
-        self._start(topology, handed=len(kv_caches))
+        self._start(topology, len(kv_caches), started)
 
     def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any) -> None:
+        started = time.perf_counter()
         context = self.vllm_config.compilation_config.static_forward_context
         topology = vllm_adapter.topology_from_cross_layer(
             self.kv_cache_config,
@@ -93,9 +96,9 @@ class KVShareWorker:
             vllm_adapter.sharing_map(context),
             self.vllm_config,
         )
-        self._start(topology, handed=1)
+        self._start(topology, 1, started)
 
-    def _start(self, topology: KVTopology, handed: int) -> None:
+    def _start(self, topology: KVTopology, handed: int, started: float) -> None:
         self.topology = topology
         agent = f"{self.engine_id}-{self.role}-{uuid.uuid4().hex[:6]}"
         transport = NixlTransport(agent)
@@ -114,14 +117,15 @@ class KVShareWorker:
         registered = sum(r.nbytes for r in topology.regions)
         logger.info(
             "KVShareConnector %s (%s, %s layout): registered %d owner layer(s) in %d region(s) "
-            "(%.1f MiB) from %d tensor(s) handed over; %d sharing layer(s) not registered "
-            "(they read their target's KV: %s); %d KV cache group(s)%s",
+            "(%.1f MiB, %.2f s) from %d tensor(s) handed over; %d sharing layer(s) not "
+            "registered (they read their target's KV: %s); %d KV cache group(s)%s",
             self.engine_id,
             self.role,
             topology.layout,
             len(topology.owners),
             len(topology.regions),
             registered / 2**20,
+            time.perf_counter() - started,
             handed,
             len(topology.sharers),
             _short_map(topology.sharers),

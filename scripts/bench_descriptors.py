@@ -45,14 +45,21 @@ def scaled_topology(num_blocks: int) -> KVTopology:
         start = storages[real.storage_ptr] + (real.data_ptr - real.storage_ptr)
         shape = (num_blocks, *real.shape[1:])
         views[name] = TensorView(
-            start, shape, real.strides, real.itemsize, storages[real.storage_ptr],
-            num_blocks * owner.spec.page_bytes, -1,
+            start,
+            shape,
+            real.strides,
+            real.itemsize,
+            storages[real.storage_ptr],
+            num_blocks * owner.spec.page_bytes,
+            -1,
         )
     labels = {n: o.labels for n, o in small.owners.items()}
     return build_topology(small.groups, views, labels, small.sharers, num_blocks, "per_layer")
 
 
-def loop_descriptors(topology: KVTopology, block_ids: list[list[int]]) -> list[tuple[int, int, int]]:
+def loop_descriptors(
+    topology: KVTopology, block_ids: list[list[int]]
+) -> list[tuple[int, int, int]]:
     """The straightforward way: one tuple per (layer, block, segment)."""
     out = []
     for group, ids in zip(topology.groups, block_ids, strict=True):
@@ -93,7 +100,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     pool = rng.permutation(np.arange(1, args.blocks))[: groups * args.request]
     scattered = [pool[i * args.request : (i + 1) * args.request].tolist() for i in range(groups)]
-    contiguous = [list(range(1 + i * args.request, 1 + (i + 1) * args.request)) for i in range(groups)]
+    contiguous = [
+        list(range(1 + i * args.request, 1 + (i + 1) * args.request)) for i in range(groups)
+    ]
 
     t_loop, slabs = timed(lambda: loop_descriptors(topology, scattered), args.repeat)
     t_ours, rows = timed(lambda: request_descriptors(topology, scattered), args.repeat)
@@ -106,47 +115,82 @@ def main() -> None:
     from kvshare_connector.transport.nixl import NixlTransport
 
     agent = NixlTransport("bench-descriptors").agent
-    t_loop_x, _ = timed(lambda: agent.get_xfer_descs(loop_descriptors(topology, scattered), "DRAM"),
-                        args.repeat)
-    t_ours_x, _ = timed(lambda: agent.get_xfer_descs(request_descriptors(topology, scattered), "DRAM"),
-                        args.repeat)
+    t_loop_x, _ = timed(
+        lambda: agent.get_xfer_descs(loop_descriptors(topology, scattered), "DRAM"), args.repeat
+    )
+    t_ours_x, _ = timed(
+        lambda: agent.get_xfer_descs(request_descriptors(topology, scattered), "DRAM"), args.repeat
+    )
 
     results = {
         "owners": len(topology.owners),
         "groups": groups,
         "cache_blocks": args.blocks,
         "request_blocks_per_group": args.request,
-        "scattered": {"loop_s": t_loop, "ours_s": t_ours, "speedup": t_loop / t_ours,
-                      "slabs": len(slabs), "rows": len(rows)},
-        "contiguous": {"loop_s": t_loop_c, "ours_s": t_ours_c, "speedup": t_loop_c / t_ours_c,
-                       "slabs": len(slabs_c), "rows": len(rows_c),
-                       "coalescing": len(slabs_c) / len(rows_c)},
-        "scattered_to_nixl_dlist": {"loop_s": t_loop_x, "ours_s": t_ours_x,
-                                    "speedup": t_loop_x / t_ours_x},
-        "prepare_all_blocks": {"loop_s": t_prep, "descriptors": len(prepared),
-                               "our_registration_rows": len(topology.regions)},
+        "scattered": {
+            "loop_s": t_loop,
+            "ours_s": t_ours,
+            "speedup": t_loop / t_ours,
+            "slabs": len(slabs),
+            "rows": len(rows),
+        },
+        "contiguous": {
+            "loop_s": t_loop_c,
+            "ours_s": t_ours_c,
+            "speedup": t_loop_c / t_ours_c,
+            "slabs": len(slabs_c),
+            "rows": len(rows_c),
+            "coalescing": len(slabs_c) / len(rows_c),
+        },
+        "scattered_to_nixl_dlist": {
+            "loop_s": t_loop_x,
+            "ours_s": t_ours_x,
+            "speedup": t_loop_x / t_ours_x,
+        },
+        "prepare_all_blocks": {
+            "loop_s": t_prep,
+            "descriptors": len(prepared),
+            "our_registration_rows": len(topology.regions),
+        },
     }
     s, c, p = results["scattered"], results["contiguous"], results["prepare_all_blocks"]
     x = results["scattered_to_nixl_dlist"]
-    print(f"E2B geometry: {results['owners']} owners in {groups} groups, {args.blocks:,}-block cache, "
-          f"request of {args.request:,} blocks per group (median of {args.repeat})")
+    print(
+        f"E2B geometry: {results['owners']} owners in {groups} groups, "
+        f"{args.blocks:,}-block cache, request of {args.request:,} blocks per group "
+        f"(median of {args.repeat})"
+    )
     print("| case | loop | ours | ratio |")
     print("|---|---|---|---|")
-    print(f"| scattered request: build time | {s['loop_s'] * 1e3:.1f} ms | {s['ours_s'] * 1e3:.2f} ms "
-          f"| {s['speedup']:.0f}x faster |")
-    print(f"| contiguous request: build time | {c['loop_s'] * 1e3:.1f} ms | {c['ours_s'] * 1e3:.2f} ms "
-          f"| {c['speedup']:.0f}x faster |")
-    print(f"| scattered request: to a NIXL descriptor list | {x['loop_s'] * 1e3:.1f} ms "
-          f"| {x['ours_s'] * 1e3:.2f} ms | {x['speedup']:.0f}x faster |")
-    print(f"| contiguous request: descriptors | {c['slabs']:,} | {c['rows']:,} "
-          f"| {c['coalescing']:.0f}x fewer |")
-    print(f"| scattered request: descriptors | {s['slabs']:,} | {s['rows']:,} "
-          f"| {s['slabs'] / s['rows']:.1f}x fewer |")
-    print(f"| per-engine setup ({args.blocks:,} blocks) | {p['descriptors']:,} descriptors, "
-          f"{p['loop_s']:.2f} s | {p['our_registration_rows']} regions, 0 s | - |")
+    print(
+        f"| scattered request: build time | {s['loop_s'] * 1e3:.1f} ms "
+        f"| {s['ours_s'] * 1e3:.2f} ms | {s['speedup']:.0f}x faster |"
+    )
+    print(
+        f"| contiguous request: build time | {c['loop_s'] * 1e3:.1f} ms "
+        f"| {c['ours_s'] * 1e3:.2f} ms | {c['speedup']:.0f}x faster |"
+    )
+    print(
+        f"| scattered request: to a NIXL descriptor list | {x['loop_s'] * 1e3:.1f} ms "
+        f"| {x['ours_s'] * 1e3:.2f} ms | {x['speedup']:.0f}x faster |"
+    )
+    print(
+        f"| contiguous request: descriptors | {c['slabs']:,} | {c['rows']:,} "
+        f"| {c['coalescing']:.0f}x fewer |"
+    )
+    print(
+        f"| scattered request: descriptors | {s['slabs']:,} | {s['rows']:,} "
+        f"| {s['slabs'] / s['rows']:.1f}x fewer |"
+    )
+    print(
+        f"| per-engine setup ({args.blocks:,} blocks) | {p['descriptors']:,} descriptors, "
+        f"{p['loop_s']:.2f} s | {p['our_registration_rows']} regions, 0 s | - |"
+    )
     fastest = min(s["speedup"], c["speedup"], x["speedup"])
-    print(f"targets: >=20x faster (every row): {'met' if fastest >= 20 else 'MISSED'}; "
-          f">=4x fewer descriptors (contiguous): {'met' if c['coalescing'] >= 4 else 'MISSED'}")
+    print(
+        f"targets: >=20x faster (every row): {'met' if fastest >= 20 else 'MISSED'}; "
+        f">=4x fewer descriptors (contiguous): {'met' if c['coalescing'] >= 4 else 'MISSED'}"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

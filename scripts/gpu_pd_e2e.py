@@ -1,0 +1,409 @@
+#!/usr/bin/env python3
+"""GPU end-to-end: prefill/decode with a KV connector vs a colocated baseline, real vLLM.
+
+Each cell starts a prefill and a decode ``vllm.LLM`` in two processes on one GPU (tiny
+Gemma-4 with dummy weights, token-id prompts of 40..900 tokens), decodes greedily with
+the KV read from prefill, and compares tokens and logprobs with a colocated engine.
+Negative control per cell: the same prompts decoded with the remote block ids reversed
+per group must come out different. Timings: decode-side wall time of the first batch
+(handshake included) and of later batches.
+
+    python scripts/gpu_pd_e2e.py run --out OUT [--cells NAME ...] [--parallel N]
+    python scripts/gpu_pd_e2e.py report OUT [OUT ...]      # merge results into tables
+
+Needs a CUDA GPU with vLLM 0.26 (+ NIXL, kvcached for the kvcached cells).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT_LENS = (40, 257, 611, 900)
+MAX_TOKENS = 24
+STEADY_REPEATS = 3
+
+# name: (model, connector, kvcached mode, runner, layout preference)
+CELLS: dict[str, dict[str, Any]] = {
+    "g4tiny/plain": {"model": "g4tiny"},
+    "g4tiny/kvcached-per-layer": {"model": "g4tiny", "kvcached": "per_layer"},
+    "g4tiny/kvcached-contiguous": {"model": "g4tiny", "kvcached": "contiguous"},
+    "g4uniform/cross-layer": {"model": "g4uniform"},
+    "g4uniform/kvcached-per-layer": {"model": "g4uniform", "kvcached": "per_layer"},
+    "g4uniform/kvcached-contiguous": {"model": "g4uniform", "kvcached": "contiguous"},
+    "g4tiny/v2-runner": {"model": "g4tiny", "runner": "v2"},
+    "nixl:g4tiny/plain": {"model": "g4tiny", "connector": "NixlConnector"},
+    "nixl:g4tiny/kvcached-per-layer": {
+        "model": "g4tiny",
+        "connector": "NixlConnector",
+        "kvcached": "per_layer",
+    },
+    "nixl:g4tiny/kvcached-contiguous": {
+        "model": "g4tiny",
+        "connector": "NixlConnector",
+        "kvcached": "contiguous",
+    },
+}
+MATRIX = [c for c in CELLS if not c.startswith("nixl:")]
+
+
+def cell_env(cell: dict[str, Any]) -> dict[str, str]:
+    env = {
+        "VLLM_USE_V2_MODEL_RUNNER": "1" if cell.get("runner") == "v2" else "0",
+        "ENABLE_KVCACHED": "true" if cell.get("kvcached") else "false",
+    }
+    if cell.get("kvcached"):
+        env["KVCACHED_CONTIGUOUS_LAYOUT"] = "true" if cell["kvcached"] == "contiguous" else "false"
+    return env
+
+
+def model_dir(model: str, root: Path) -> Path:
+    from kvshare_connector.cpu_stack import model_dir as write_model
+
+    return write_model(model, root)
+
+
+def prompts(batch: str) -> list[list[int]]:
+    """Token-id prompts; each batch has its own tokens so no prefix cache hits across."""
+    import random
+
+    rng = random.Random(f"kvshare-{batch}")
+    return [[rng.randrange(3, 4000) for _ in range(n)] for n in PROMPT_LENS]
+
+
+# ---- one engine per process -----------------------------------------------------------------
+
+
+def engine_main(args: argparse.Namespace) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvshare_connector.cpu_stack import hf_overrides_for
+
+    work = Path(args.work)
+    cell = CELLS[args.cell] if args.cell else {"model": args.model}
+    path = model_dir(cell["model"], work)
+    kv_config = None
+    if args.role in ("prefill", "decode"):
+        kv_config = {
+            "kv_connector": cell.get("connector", "KVShareConnector"),
+            "kv_role": "kv_producer" if args.role == "prefill" else "kv_consumer",
+            "kv_connector_extra_config": {"kv_lease_duration": 300},
+        }
+        if kv_config["kv_connector"] == "KVShareConnector":
+            # The module-path form: works where the package is on PYTHONPATH, not installed.
+            kv_config["kv_connector_module_path"] = "kvshare_connector"
+    start = time.perf_counter()
+    # One engine starts at a time: vLLM's memory profiling reads the GPU's free memory,
+    # which another engine allocating at the same moment would distort.
+    lock = open(Path(args.lock), "w")  # noqa: SIM115 - held for the whole startup
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    waited = time.perf_counter() - start
+    llm = LLM(
+        model=str(path),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        gpu_memory_utilization=args.mem,
+        max_model_len=2048,
+        max_num_seqs=8,
+        seed=0,
+        hf_overrides=hf_overrides_for(path / "config.json"),
+        kv_transfer_config=kv_config,
+    )
+    fcntl.flock(lock, fcntl.LOCK_UN)
+    lock.close()
+    startup = time.perf_counter() - start - waited
+    greedy = {"temperature": 0.0, "logprobs": 1, "detokenize": False, "ignore_eos": True}
+    batches = ["main", "corrupt"] + [f"steady{i}" for i in range(STEADY_REPEATS)]
+    out: dict[str, Any] = {"startup_s": startup, "pid": os.getpid()}
+
+    def run(batch: str, params: list[dict] | None, max_tokens: int) -> dict[str, Any]:
+        sampling = []
+        for i in range(len(PROMPT_LENS)):
+            extra = {"kv_transfer_params": params[i]} if params is not None else None
+            sampling.append(SamplingParams(max_tokens=max_tokens, extra_args=extra, **greedy))
+        t0 = time.perf_counter()
+        results = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts(batch)], sampling, use_tqdm=False
+        )
+        seconds = time.perf_counter() - t0
+        return {
+            "seconds": seconds,
+            "tokens": [list(r.outputs[0].token_ids) for r in results],
+            "logprobs": [
+                [
+                    lp[t].logprob
+                    for lp, t in zip(r.outputs[0].logprobs, r.outputs[0].token_ids, strict=True)
+                ]
+                for r in results
+            ],
+            "kv_transfer_params": [r.kv_transfer_params for r in results],
+        }
+
+    if args.role == "baseline":
+        for batch in ("main", "corrupt"):
+            out[batch] = run(batch, None, MAX_TOKENS)
+    elif args.role == "prefill":
+        produced = {}
+        for batch in batches:
+            produced[batch] = run(batch, [{"do_remote_decode": True}] * len(PROMPT_LENS), 1)
+        _write(work / "prefill.json", {"batches": produced, "startup_s": startup})
+        deadline = time.monotonic() + args.hold_s
+        while time.monotonic() < deadline and not (work / "stop").exists():
+            time.sleep(0.2)
+        out["held_s"] = time.monotonic() - (deadline - args.hold_s)
+    else:  # decode
+        deadline = time.monotonic() + args.hold_s
+        while not (work / "prefill.json").exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError("prefill never produced its kv_transfer_params")
+            time.sleep(0.2)
+        produced = json.loads((work / "prefill.json").read_text())["batches"]
+        out["main"] = run("main", produced["main"]["kv_transfer_params"], MAX_TOKENS)
+        for i in range(STEADY_REPEATS):
+            batch = f"steady{i}"
+            out[batch] = run(batch, produced[batch]["kv_transfer_params"], MAX_TOKENS)
+        corrupt = []
+        for params in produced["corrupt"]["kv_transfer_params"]:
+            params = dict(params)
+            params["remote_block_ids"] = [list(reversed(ids)) for ids in params["remote_block_ids"]]
+            corrupt.append(params)
+        out["corrupt"] = run("corrupt", corrupt, MAX_TOKENS)
+        (work / "stop").touch()
+    _write(work / f"{args.role}.result.json", out)
+
+
+def _write(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.rename(path)
+
+
+# ---- orchestration ------------------------------------------------------------------------
+
+
+def spawn(
+    role: str,
+    work: Path,
+    log: Path,
+    env: dict[str, str],
+    cell: str | None,
+    model: str | None,
+    port: int,
+    mem: float,
+) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        __file__,
+        "engine",
+        "--role",
+        role,
+        "--work",
+        str(work),
+        "--mem",
+        str(mem),
+        "--lock",
+        str(work.parent / "startup.lock"),
+    ]
+    cmd += ["--cell", cell] if cell else ["--model", model or ""]
+    full_env = {
+        **os.environ,
+        **env,
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    # Own process group per engine: kvcached names its IPC segments after it.
+    return subprocess.Popen(
+        cmd,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=full_env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+
+
+def wait(proc: subprocess.Popen, timeout_s: float) -> int:
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        return -9
+
+
+def run_cell(name: str, out: Path, port: int, mem: float, timeout_s: float) -> dict[str, Any]:
+    cell = CELLS[name]
+    work = out / name.replace("/", "__").replace(":", "_")
+    work.mkdir(parents=True, exist_ok=True)
+    env = cell_env(cell)
+    t0 = time.monotonic()
+    prefill = spawn("prefill", work, work / "prefill.log", env, name, None, port, mem)
+    decode = spawn("decode", work, work / "decode.log", env, name, None, port + 1, mem)
+    rc_d = wait(decode, timeout_s)
+    (work / "stop").touch()
+    rc_p = wait(prefill, 60)
+    result: dict[str, Any] = {
+        "cell": name,
+        **cell,
+        "rc_prefill": rc_p,
+        "rc_decode": rc_d,
+        "wall_s": time.monotonic() - t0,
+    }
+    for role in ("prefill", "decode"):
+        path = work / f"{role}.result.json"
+        if path.exists():
+            result[role] = json.loads(path.read_text())
+        log = (work / f"{role}.log").read_text(errors="replace")
+        result[f"{role}_registration"] = [
+            line.strip()[-400:]
+            for line in log.splitlines()
+            if ("KVShareConnector" in line and "registered" in line)
+            or ("nixl" in line.lower() and "regist" in line.lower())
+        ][:3]
+        result[f"{role}_errors"] = [
+            line.strip()[-300:] for line in log.splitlines() if "Error" in line or "error" in line
+        ][-5:]
+    _write(work / "cell.json", result)
+    return result
+
+
+def run_baseline(model: str, runner: str, out: Path, mem: float, timeout_s: float) -> dict:
+    work = out / f"baseline__{model}__{runner}"
+    work.mkdir(parents=True, exist_ok=True)
+    env = cell_env({"runner": runner})
+    proc = spawn("baseline", work, work / "baseline.log", env, None, model, 0, mem)
+    rc = wait(proc, timeout_s)
+    path = work / "baseline.result.json"
+    result = {"model": model, "runner": runner, "rc": rc}
+    if path.exists():
+        result.update(json.loads(path.read_text()))
+    _write(work / "baseline.json", result)
+    return result
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cells = args.cells or MATRIX
+    needed = sorted({(CELLS[c]["model"], CELLS[c].get("runner", "v1")) for c in cells})
+    jobs = [("baseline", m, r) for m, r in needed] if not args.no_baseline else []
+    jobs += [("cell", c, None) for c in cells]
+    port = 20000
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        futures = []
+        for i, (kind, a, b) in enumerate(jobs):
+            if kind == "baseline":
+                futures.append(pool.submit(run_baseline, a, b, out, args.mem, args.timeout))
+            else:
+                futures.append(pool.submit(run_cell, a, out, port + 10 * i, args.mem, args.timeout))
+        for future in futures:
+            result = future.result()
+            print(
+                "done:",
+                result.get("cell") or f"baseline {result['model']} {result['runner']}",
+                "rc",
+                result.get("rc", (result.get("rc_prefill"), result.get("rc_decode"))),
+                flush=True,
+            )
+    print(report([out]))
+
+
+# ---- report -------------------------------------------------------------------------------
+
+
+def _load(dirs: list[Path]) -> tuple[dict, list[dict]]:
+    baselines, cells = {}, []
+    for d in dirs:
+        for path in sorted(d.glob("baseline__*/baseline.json")):
+            b = json.loads(path.read_text())
+            baselines[(b["model"], b["runner"])] = b
+        for path in sorted(d.glob("*/cell.json")):
+            cells.append(json.loads(path.read_text()))
+    return baselines, cells
+
+
+def compare(cell: dict, base: dict | None, batch: str) -> tuple[str, float | None]:
+    decode = cell.get("decode") or {}
+    if base is None or batch not in decode or batch not in base:
+        return "n/a", None
+    same = sum(a == b for a, b in zip(decode[batch]["tokens"], base[batch]["tokens"], strict=True))
+    diffs = [
+        abs(x - y)
+        for lp_a, lp_b in zip(decode[batch]["logprobs"], base[batch]["logprobs"], strict=True)
+        for x, y in zip(lp_a, lp_b, strict=False)
+    ]
+    return f"{same}/{len(base[batch]['tokens'])}", max(diffs) if diffs else None
+
+
+def report(dirs: list[Path]) -> str:
+    baselines, cells = _load(dirs)
+    lines = [
+        "| cell | tokens = baseline | max abs logprob diff | negative control: tokens = baseline "
+        "| decode first batch s | decode steady batch s (median [min-max]) | registered |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for cell in sorted(cells, key=lambda c: c["cell"]):
+        base = baselines.get((cell["model"], cell.get("runner", "v1")))
+        tokens, lp = compare(cell, base, "main")
+        control, _ = compare(cell, base, "corrupt")
+        decode = cell.get("decode") or {}
+        first = decode.get("main", {}).get("seconds")
+        steady = [decode[k]["seconds"] for k in decode if k.startswith("steady")]
+        steady_s = (
+            f"{statistics.median(steady):.3f} [{min(steady):.3f}-{max(steady):.3f}]"
+            if steady
+            else "n/a"
+        )
+        reg = "; ".join(cell.get("decode_registration", [])[:1])[-160:] or "-"
+        if not decode:
+            tokens = f"FAILED (rc {cell.get('rc_prefill')}/{cell.get('rc_decode')})"
+        lines.append(
+            f"| {cell['cell']} | {tokens} | {lp if lp is None else f'{lp:.2e}'} | {control} | "
+            f"{'n/a' if first is None else f'{first:.3f}'} | {steady_s} | {reg} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run")
+    run.add_argument("--out", required=True)
+    run.add_argument("--cells", nargs="*", choices=list(CELLS))
+    run.add_argument("--parallel", type=int, default=1)
+    run.add_argument("--mem", type=float, default=0.08)
+    run.add_argument("--timeout", type=float, default=420)
+    run.add_argument("--no-baseline", action="store_true")
+    engine = sub.add_parser("engine")
+    engine.add_argument("--role", choices=["prefill", "decode", "baseline"], required=True)
+    engine.add_argument("--work", required=True)
+    engine.add_argument("--cell")
+    engine.add_argument("--model")
+    engine.add_argument("--mem", type=float, default=0.08)
+    engine.add_argument("--hold-s", type=float, default=400)
+    engine.add_argument("--lock", required=True)
+    rep = sub.add_parser("report")
+    rep.add_argument("dirs", nargs="+")
+    args = parser.parse_args()
+    if args.command == "run":
+        cmd_run(args)
+    elif args.command == "engine":
+        engine_main(args)
+    else:
+        print(report([Path(d) for d in args.dirs]))
+
+
+if __name__ == "__main__":
+    main()
