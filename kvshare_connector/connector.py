@@ -23,9 +23,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
-from vllm.logger import init_logger
 
 from kvshare_connector import kvcached
+from kvshare_connector.log import get_logger
 from kvshare_connector.scheduler import KVShareMetadata, KVShareScheduler
 from kvshare_connector.stats import KVShareStats
 from kvshare_connector.worker import KVShareWorker, KVShareWorkerMeta
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 import uuid
@@ -22,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvshare_connector import kvcheck
+from kvshare_connector.child_process import Child
 from kvshare_connector.cpu_stack import LAYOUTS, MODELS
 
 READY = "KVSHARE_PREFILL_READY "
@@ -134,24 +133,14 @@ def run_prefill(args: argparse.Namespace) -> int:
 class PrefillProcess:
     """A prefill process started with ``spawn_prefill``."""
 
-    process: subprocess.Popen
+    child: Child
     ready: dict[str, Any]
 
     def wait_done(self, timeout_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        assert self.process.stdout is not None
-        while time.monotonic() < deadline:
-            line = self.process.stdout.readline()
-            if not line:
-                break
-            if line.startswith(DONE):
-                return json.loads(line[len(DONE) :])
-        raise TimeoutError("prefill process did not report its release in time")
+        return self.child.wait_json(DONE, timeout_s)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=10)
+        self.child.kill()
 
 
 def spawn_prefill(
@@ -166,42 +155,16 @@ def spawn_prefill(
     timeout_s: float = 120.0,
 ) -> PrefillProcess:
     """Start ``python -m kvshare_connector.demo prefill`` and wait for its ready line."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvshare_connector.demo",
-        "prefill",
-        "--model",
-        model,
-        "--layout",
-        layout,
-        "--tokens",
-        str(tokens),
-        "--seed",
-        str(seed),
-        "--lease-s",
-        str(lease_s),
-        "--kv-mib",
-        str(kv_mib),
-        "--max-model-len",
-        str(max_model_len),
-        "--linger-s",
-        str(linger_s),
-    ]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
-    )
-    deadline = time.monotonic() + timeout_s
-    assert process.stdout is not None
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            break
-        if line.startswith(READY):
-            return PrefillProcess(process, json.loads(line[len(READY) :]))
-    process.kill()
-    raise RuntimeError(f"prefill process exited or hung before it was ready (rc {process.poll()})")
+    args = ["-m", "kvshare_connector.demo", "prefill", "--model", model, "--layout", layout]
+    args += ["--tokens", str(tokens), "--seed", str(seed), "--lease-s", str(lease_s)]
+    args += ["--kv-mib", str(kv_mib), "--max-model-len", str(max_model_len)]
+    args += ["--linger-s", str(linger_s)]
+    child = Child(args)
+    try:
+        return PrefillProcess(child, child.wait_json(READY, timeout_s))
+    except TimeoutError:
+        child.kill()
+        raise
 
 
 # ---- decode side --------------------------------------------------------------------------

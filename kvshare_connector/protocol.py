@@ -284,6 +284,10 @@ def remote_prefill_params(params: Any) -> RemotePrefillParams:
             f"kv_transfer_params: tp_size {parsed.tp_size} (prefill with tensor parallelism is "
             "not supported yet)"
         )
-    if any(b < 0 for ids in parsed.remote_block_ids for b in ids):
-        raise KVTransferParamsError("kv_transfer_params: negative remote block id")
+    for group, ids in enumerate(parsed.remote_block_ids):
+        if any(b < 0 for b in ids):
+            raise KVTransferParamsError(
+                f"kv_transfer_params: negative block id {min(ids)} - at "
+                f"`$.remote_block_ids[{group}]`"
+            )
     return parsed

@@ -15,15 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-from vllm.logger import init_logger
 
+from kvshare_connector.log import get_logger
 from kvshare_connector.protocol import (
     KVTransferParamsError,
     RemotePrefillParams,
     remote_prefill_params,
 )
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 BlockIds = tuple[list[int], ...]
 

@@ -14,16 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
-from vllm.logger import init_logger
 
 from kvshare_connector import kvcached, vllm_adapter
+from kvshare_connector.log import get_logger
 from kvshare_connector.scheduler import KVShareMetadata
 from kvshare_connector.stats import KVShareStats
 from kvshare_connector.topology import KVTopology
 from kvshare_connector.transfer import KVSink, KVSource
 from kvshare_connector.transport.nixl import NixlTransport
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 _RELEASE_SUFFIX = "#release"  # internal ids of notify-only requests (nothing to load)
 

@@ -20,6 +20,7 @@ import argparse
 import fcntl
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -103,6 +104,12 @@ def engine_main(args: argparse.Namespace) -> None:
         if kv_config["kv_connector"] == "KVShareConnector":
             # The module-path form: works where the package is on PYTHONPATH, not installed.
             kv_config["kv_connector_module_path"] = "kvshare_connector"
+    overrides = hf_overrides_for(path / "config.json")
+    if (
+        overrides.get("global_head_dim")
+        == json.loads((path / "config.json").read_text())["head_dim"]
+    ):
+        overrides = {}
     start = time.perf_counter()
     # One engine starts at a time: vLLM's memory profiling reads the GPU's free memory,
     # which another engine allocating at the same moment would distort.
@@ -118,8 +125,10 @@ def engine_main(args: argparse.Namespace) -> None:
         max_model_len=2048,
         max_num_seqs=8,
         seed=0,
-        hf_overrides=hf_overrides_for(path / "config.json"),
+        hf_overrides=overrides,
         kv_transfer_config=kv_config,
+        # Mixed head sizes make vLLM pick FA4 (CuTe DSL, not in this stack): use Triton.
+        attention_backend="TRITON_ATTN" if overrides else None,
     )
     fcntl.flock(lock, fcntl.LOCK_UN)
     lock.close()
@@ -251,7 +260,12 @@ def run_cell(name: str, out: Path, port: int, mem: float, timeout_s: float) -> d
     t0 = time.monotonic()
     prefill = spawn("prefill", work, work / "prefill.log", env, name, None, port, mem)
     decode = spawn("decode", work, work / "decode.log", env, name, None, port + 1, mem)
-    rc_d = wait(decode, timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while decode.poll() is None and time.monotonic() < deadline:
+        if prefill.poll() not in (None, 0):  # prefill died: decode would wait in vain
+            break
+        time.sleep(0.5)
+    rc_d = wait(decode, 1)
     (work / "stop").touch()
     rc_p = wait(prefill, 60)
     result: dict[str, Any] = {
@@ -324,14 +338,17 @@ def cmd_run(args: argparse.Namespace) -> None:
 
 
 def _load(dirs: list[Path]) -> tuple[dict, list[dict]]:
-    baselines, cells = {}, []
+    """Baselines and cells of several runs; a later run's cell replaces an earlier one."""
+    baselines, cells = {}, {}
     for d in dirs:
         for path in sorted(d.glob("baseline__*/baseline.json")):
             b = json.loads(path.read_text())
-            baselines[(b["model"], b["runner"])] = b
+            if b.get("main") or (b["model"], b["runner"]) not in baselines:
+                baselines[(b["model"], b["runner"])] = b
         for path in sorted(d.glob("*/cell.json")):
-            cells.append(json.loads(path.read_text()))
-    return baselines, cells
+            cell = json.loads(path.read_text())
+            cells[cell["cell"]] = cell
+    return baselines, list(cells.values())
 
 
 def compare(cell: dict, base: dict | None, batch: str) -> tuple[str, float | None]:
@@ -347,11 +364,25 @@ def compare(cell: dict, base: dict | None, batch: str) -> tuple[str, float | Non
     return f"{same}/{len(base[batch]['tokens'])}", max(diffs) if diffs else None
 
 
+def registration(lines: list[str]) -> str:
+    """'6 owners / 4 sharers skipped (1 region, 1.26 s)' from our worker's log line."""
+    pattern = re.compile(
+        r"registered (\d+) owner layer\(s\) in (\d+) region\(s\) \(([\d.]+) MiB, ([\d.]+) s\)"
+        r".*?(\d+) sharing layer\(s\) not"
+    )
+    for line in lines:
+        if m := pattern.search(line):
+            owners, regions, _, seconds, sharers = m.groups()
+            return f"{owners} owners / {sharers} sharers skipped ({regions} region, {seconds} s)"
+    return "-"
+
+
 def report(dirs: list[Path]) -> str:
     baselines, cells = _load(dirs)
     lines = [
         "| cell | tokens = baseline | max abs logprob diff | negative control: tokens = baseline "
-        "| decode first batch s | decode steady batch s (median [min-max]) | registered |",
+        "| decode first batch s | decode steady batch s (median [min-max]) "
+        "| decode registration (owners / sharers) |",
         "|---|---|---|---|---|---|---|",
     ]
     for cell in sorted(cells, key=lambda c: c["cell"]):
@@ -366,7 +397,7 @@ def report(dirs: list[Path]) -> str:
             if steady
             else "n/a"
         )
-        reg = "; ".join(cell.get("decode_registration", [])[:1])[-160:] or "-"
+        reg = registration(cell.get("decode_registration", []))
         if not decode:
             tokens = f"FAILED (rc {cell.get('rc_prefill')}/{cell.get('rc_decode')})"
         lines.append(

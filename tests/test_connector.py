@@ -8,11 +8,15 @@ model forward is emulated (it writes a known pattern into the blocks vLLM alloca
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 
-from .child import Child
+from kvshare_connector.child_process import Child
+
 from .engine_sim import READY, RESULT, Engine, decode_requests
+
+ROOT = str(Path(__file__).resolve().parents[1])
 
 
 def free_port() -> int:
@@ -64,7 +68,8 @@ def prefill_engine():
             "3",
             "--lease-s",
             "60",
-        ]
+        ],
+        cwd=ROOT,
     )
     try:
         yield child, child.wait_json(READY, 180)
@@ -159,7 +164,8 @@ def test_decode_that_never_comes_releases_the_lease():
             "2",
             "--lease-s",
             "2",
-        ]
+        ],
+        cwd=ROOT,
     )
     try:
         child.wait_json(READY, 180)
@@ -188,7 +194,8 @@ def test_cross_layer_blocks_pd_transfer():
             "250",
             "--requests",
             "1",
-        ]
+        ],
+        cwd=ROOT,
     )
     try:
         ready = child.wait_json(READY, 180)

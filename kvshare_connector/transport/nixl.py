@@ -94,16 +94,23 @@ class NixlTransport:
         notification: bytes,
     ) -> Any:
         """Post a READ of ``remote_rows`` into ``local_rows``; the peer gets ``notification``."""
+        name = peer.decode(errors="replace") if isinstance(peer, bytes) else peer
         try:
             local = self.agent.get_xfer_descs(local_rows, local_kind)
             remote = self.agent.get_xfer_descs(remote_rows, remote_kind)
             handle = self.agent.initialize_xfer("READ", local, remote, peer, notification)
+        except Exception as exc:
+            raise TransportError(f"NIXL READ from {name} could not start: {exc}") from exc
+        try:
+            # Over UCX's shared-memory transports most of the copy happens inside this
+            # call: a peer that dies now makes it raise, mid-transfer.
             state = self.agent.transfer(handle)
         except Exception as exc:
-            raise TransportError(f"NIXL READ from {peer} could not start: {exc}") from exc
+            self.release(handle)
+            raise TransportError(f"NIXL READ from {name} failed: {exc}") from exc
         if state == "ERR":
             self.release(handle)
-            raise TransportError(f"NIXL READ from {peer} failed at post")
+            raise TransportError(f"NIXL READ from {name} failed at post")
         return handle
 
     def state(self, handle: Any) -> str:

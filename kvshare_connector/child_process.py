@@ -1,4 +1,8 @@
-"""A child process whose stdout is drained on a thread (a full pipe would block it)."""
+"""A Python child process that reports by JSON lines, with every wait bounded.
+
+Its stdout is drained on a thread: a child that logs more than a pipe holds would
+otherwise block while the parent waits for a line it will never print.
+"""
 
 from __future__ import annotations
 
@@ -13,14 +17,14 @@ from typing import Any
 
 
 class Child:
-    def __init__(self, args: list[str], env: dict[str, str] | None = None):
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, cwd: str | None = None):
         self.process = subprocess.Popen(
             [sys.executable, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            cwd=cwd,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
