@@ -203,7 +203,26 @@ class ErrorReply(msgspec.Struct, tag="error", forbid_unknown_fields=True):
     message: str
 
 
-SideMessage = Hello | HandshakeReply | ErrorReply
+class Claim(msgspec.Struct, tag="claim", forbid_unknown_fields=True):
+    """Decode, just before it reads: are these requests' blocks still held? Hold them on.
+
+    A READ is one-sided: prefill cannot refuse it. Without this, a decode that comes after
+    the lease ended would read blocks that may already hold another request's KV.
+    """
+
+    protocol_version: int
+    engine_id: str
+    request_ids: list[str]
+    hold_s: float  # keep them at least this long from now (the reader's transfer bound)
+
+
+class ClaimReply(msgspec.Struct, tag="claimed", forbid_unknown_fields=True):
+    held: list[str]  # held, lease extended: read now
+    gone: list[str]  # read already, or lease expired: the blocks are free
+    # any other id asked for: not held yet (the prefill scheduler has not handed it over)
+
+
+SideMessage = Hello | HandshakeReply | ErrorReply | Claim | ClaimReply
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(SideMessage)
 
@@ -212,7 +231,7 @@ def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
-def decode(data: bytes) -> Hello | HandshakeReply | ErrorReply:
+def decode(data: bytes) -> Hello | HandshakeReply | ErrorReply | Claim | ClaimReply:
     """Strict decode of a side-channel message; ``ProtocolError`` names what is wrong."""
     try:
         return _decoder.decode(data)

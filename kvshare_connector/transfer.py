@@ -8,7 +8,9 @@ helper thread so a slow or dead prefill never blocks the engine loop.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -21,6 +23,9 @@ from kvshare_connector.topology import KVTopology
 from kvshare_connector.transport.nixl import NixlTransport, TransportError
 
 logger = get_logger(__name__)
+
+
+RELEASED_MEMORY = 100_000  # freed request ids a prefill remembers, to refuse late claims
 
 
 class HandshakeError(RuntimeError):
@@ -89,9 +94,14 @@ class KVSource:
                 layout=protocol.layout_to_msg(topology),
             )
         )
+        # The side channel thread (claims) and the engine thread (hold/poll) share these.
+        self._lock = threading.Lock()
         self._held: dict[str, float] = {}  # request id -> lease deadline
         self._early: dict[str, float] = {}  # read before we were told to hold it
         self._read_before_hold: set[str] = set()
+        # Recently freed requests (bounded by count, not time: a late decode may come much
+        # later): claims for them are refused.
+        self._released: OrderedDict[str, None] = OrderedDict()
         self.server = SideChannelServer(host, port, self._answer)
         self.host, self.port = host, self.server.port
 
@@ -101,9 +111,9 @@ class KVSource:
         except protocol.ProtocolError as exc:
             logger.warning("side channel: %s", exc)
             return protocol.encode(protocol.ErrorReply(str(exc)))
-        if not isinstance(message, protocol.Hello):
+        if not isinstance(message, protocol.Hello | protocol.Claim):
             return protocol.encode(
-                protocol.ErrorReply(f"expected hello, got {type(message).__name__}")
+                protocol.ErrorReply(f"expected hello or claim, got {type(message).__name__}")
             )
         if message.protocol_version != protocol.PROTOCOL_VERSION:
             return protocol.encode(
@@ -112,6 +122,8 @@ class KVSource:
                     f"(this engine speaks {protocol.PROTOCOL_VERSION})"
                 )
             )
+        if isinstance(message, protocol.Claim):
+            return protocol.encode(self._claim(message))
         if message.expect_engine_id not in (None, self.engine_id):
             return protocol.encode(
                 protocol.ErrorReply(
@@ -121,22 +133,49 @@ class KVSource:
         logger.info("handshake from engine %s", message.engine_id)
         return self._reply
 
+    def _claim(self, claim: protocol.Claim) -> protocol.ClaimReply:
+        """Extend the leases of held requests; say which are gone (the rest: not yet held)."""
+        hold_s = min(max(claim.hold_s, 0.0), 10 * self.lease_s)
+        held, gone = [], []
+        with self._lock:
+            deadline = time.monotonic() + hold_s
+            for request_id in claim.request_ids:
+                if request_id in self._held:
+                    self._held[request_id] = max(self._held[request_id], deadline)
+                    held.append(request_id)
+                elif request_id in self._released or request_id in self._read_before_hold:
+                    gone.append(request_id)
+        return protocol.ClaimReply(held, gone)
+
     def hold(self, request_id: str, lease_s: float | None = None) -> None:
         """Keep a finished prefill's blocks until decode reads them or the lease ends."""
-        if self._early.pop(request_id, None) is not None:
-            self._read_before_hold.add(request_id)  # freed on the next poll
-            return
-        self._held[request_id] = time.monotonic() + (self.lease_s if lease_s is None else lease_s)
+        with self._lock:
+            if self._early.pop(request_id, None) is not None:
+                self._read_before_hold.add(request_id)  # freed on the next poll
+                return
+            lease = self.lease_s if lease_s is None else lease_s
+            self._held[request_id] = time.monotonic() + lease
 
     @property
     def held(self) -> set[str]:
-        return set(self._held) | self._read_before_hold
+        with self._lock:
+            return set(self._held) | self._read_before_hold
 
     def poll(self) -> tuple[set[str], set[str]]:
         """``(read, expired)`` request ids whose blocks can be freed now."""
+        notifications = self.transport.notifications()
+        with self._lock:
+            read, expired = self._release(notifications)
+            for request_id in read | expired:
+                self._released[request_id] = None
+            while len(self._released) > RELEASED_MEMORY:
+                self._released.popitem(last=False)
+        return read, expired
+
+    def _release(self, notifications: dict[str, list[bytes]]) -> tuple[set[str], set[str]]:
         now = time.monotonic()
         read, self._read_before_hold = self._read_before_hold, set()
-        for peer, messages in self.transport.notifications().items():
+        for peer, messages in notifications.items():
             for message in messages:
                 try:
                     _, request_id = protocol.parse_notification(message)
@@ -180,6 +219,9 @@ class _Read:
     nbytes: int = 0
     descriptors: int = 0
     blocks: int = 0
+    claim: Future[protocol.ClaimReply] | None = None
+    claimed: bool = False
+    next_claim: float = 0.0
 
 
 class KVSink:
@@ -222,6 +264,55 @@ class KVSink:
         if not isinstance(reply, protocol.HandshakeReply):
             raise HandshakeError(f"prefill at {host}:{port} answered a {type(reply).__name__}")
         return reply
+
+    def _ask_claim(self, host: str, port: int, request_id: str) -> protocol.ClaimReply:
+        claim = protocol.Claim(
+            protocol.PROTOCOL_VERSION, self.engine_id, [request_id], self.transfer_timeout_s + 5
+        )
+        try:
+            reply = protocol.decode(
+                ask(host, port, protocol.encode(claim), self.handshake_timeout_s)
+            )
+        except (SideChannelError, protocol.ProtocolError) as exc:
+            raise HandshakeError(f"claiming {request_id} at {host}:{port}: {exc}") from exc
+        if not isinstance(reply, protocol.ClaimReply):
+            raise HandshakeError(f"prefill at {host}:{port} answered a claim with {reply}")
+        return reply
+
+    def _claimed(self, read: _Read) -> bool:
+        """True once prefill confirmed it holds the blocks (and extended their lease).
+
+        Prefill's scheduler hands a finished request to its worker one step after it
+        returned the request's kv_transfer_params, so "not held yet" is retried until the
+        handshake bound; "gone" (read or lease expired) fails the request before any read.
+        """
+        if read.claimed:
+            return True
+        p = read.params
+        if read.claim is None:
+            if time.monotonic() >= read.next_claim:
+                read.claim = self._executor.submit(
+                    self._ask_claim, p.remote_host, p.remote_port, p.remote_request_id
+                )
+            return False
+        if not read.claim.done():
+            return False
+        reply, read.claim = read.claim.result(), None
+        if p.remote_request_id in reply.held:
+            read.claimed = True
+            return True
+        if p.remote_request_id in reply.gone:
+            raise TransportError(
+                f"prefill {p.remote_engine_id} no longer holds request {p.remote_request_id}'s "
+                "blocks (read already, or its lease expired)"
+            )
+        if time.monotonic() - read.created > self.handshake_timeout_s:
+            raise HandshakeError(
+                f"prefill {p.remote_engine_id} never held request {p.remote_request_id} "
+                f"within {self.handshake_timeout_s:g} s"
+            )
+        read.next_claim = time.monotonic() + 0.01
+        return False
 
     def _peer(self, host: str, port: int, expect: str) -> Peer | None:
         """The peer if its handshake finished (raises its error), else None (in flight)."""
@@ -313,15 +404,17 @@ class KVSink:
         if peer is None:
             return False
         local_ids, remote_ids = align_block_ids(read.local_ids, p.remote_block_ids)
+        note = protocol.notification(protocol.NOTIF_DONE, p.remote_request_id)
+        read.blocks = sum(len(ids) for ids in local_ids)
+        if read.blocks == 0:  # e.g. a full local prefix-cache hit: just free prefill
+            self.transport.notify(peer.agent, note)
+            self.records.append(TransferRecord(read.request_id, 0, 0, 0, 0.0))
+            return True
+        if not self._claimed(read):
+            return False
         local_rows, remote_rows = transfer_descriptors(
             peer.owners, local_ids, remote_ids, self.topology.num_blocks, peer.topology.num_blocks
         )
-        note = protocol.notification(protocol.NOTIF_DONE, p.remote_request_id)
-        read.blocks = sum(len(ids) for ids in local_ids)
-        if len(local_rows) == 0:  # e.g. a full local prefix-cache hit: just free prefill
-            self.transport.notify(peer.agent, note)
-            self.records.append(TransferRecord(read.request_id, 0, 0, read.blocks, 0.0))
-            return True
         read.nbytes = int(local_rows[:, 1].sum())
         read.descriptors = len(local_rows)
         read.started = time.monotonic()
