@@ -9,6 +9,8 @@ Options in ``kv_connector_extra_config``:
   waits on decode before a request is computed locally instead.
 * ``cross_layer_blocks`` (default true, false when kvcached is enabled): ask vLLM for the
   cross-layer blocks layout where it can (single KV cache group).
+* ``backend`` (``"nixl"``, default, or ``"lmcache"``) and ``lmcache`` (its options, see
+  docs/lmcache.md): move KV through LMCache instead of direct NIXL reads.
 """
 
 from __future__ import annotations
@@ -65,12 +67,20 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         host = envs.VLLM_NIXL_SIDE_CHANNEL_HOST
         port = envs.VLLM_NIXL_SIDE_CHANNEL_PORT + vllm_config.parallel_config.data_parallel_index
         lease_s = float(extra.get("kv_lease_duration", 30))
+        backend = extra.get("backend", "nixl")
+        if backend not in ("nixl", "lmcache"):
+            raise ValueError(f"KVShareConnector: backend {backend!r} not in ('nixl', 'lmcache')")
+        lmcache_config = None
+        if backend == "lmcache":  # parsed in both roles: bad options fail at start-up
+            from kvshare_connector.lmcache_backend import LMCacheBackendConfig
+
+            lmcache_config = LMCacheBackendConfig.from_extra_config(extra)
         self._cross_layer = bool(extra.get("cross_layer_blocks", not kvcached.kvcached_enabled()))
         self.scheduler: KVShareScheduler | None = None
         self.worker: KVShareWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = KVShareScheduler(
-                vllm_config, kv_cache_config, self.engine_id, host, port, lease_s
+                vllm_config, kv_cache_config, self.engine_id, host, port, lease_s, backend
             )
         else:
             self.worker = KVShareWorker(
@@ -83,6 +93,7 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
                 lease_s,
                 float(extra.get("handshake_timeout_s", 10)),
                 float(extra.get("transfer_timeout_s", 60)),
+                lmcache_config,
             )
 
     @property
@@ -116,7 +127,11 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         """Nothing to save: decode pulls from prefill's own KV blocks."""
 
     def wait_for_save(self) -> None:
-        """Nothing to save."""
+        """LMCache backend: store the prompts finished in this step (NIXL: nothing)."""
+        if self.worker is not None and self.has_connector_metadata():
+            metadata = self._get_connector_metadata()
+            assert isinstance(metadata, KVShareMetadata)
+            self.worker.wait_for_save(metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
@@ -157,7 +172,7 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        return self.scheduler.build_connector_meta()
+        return self.scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None

@@ -63,11 +63,13 @@ def mismatches(
     layers: Iterable[str] | None = None,
     seed: int = 0,
     first_positions: Sequence[int] | None = None,
+    num_tokens: int | None = None,
 ) -> list[str]:
     """Layers (sharers read through their alias) whose blocks do not hold the pattern.
 
     ``first_positions[g]``: the position in the request of group g's first listed block
-    (a sliding-window group keeps only its tail).
+    (a sliding-window group keeps only its tail). ``num_tokens``: compare only the slots
+    of the request's tokens (a per-token transfer leaves the rest of a last block alone).
     """
     problems = []
     for name in layers if layers is not None else kv_caches:
@@ -76,9 +78,27 @@ def mismatches(
         first = first_positions[owner.group] if first_positions is not None else 0
         for position, block in enumerate(block_ids[owner.group], start=first):
             got = _block_slice(view, owner.labels, owner.spec.block_size, block)
-            if not bool((got == pattern(owner.name, position, got.shape, seed)).all()):
+            same = got == pattern(owner.name, position, got.shape, seed)
+            if num_tokens is not None:
+                valid = num_tokens - position * owner.spec.block_size
+                same |= _token_index(got, owner.labels) >= valid
+            if not bool(same.all()):
                 problems.append(f"{name} (group {owner.group}, block {block}, #{position})")
     return problems
+
+
+def _token_index(block: Any, labels: Sequence[str]) -> Any:
+    """Each element's token position inside its logical block (kernel blocks in order)."""
+    import torch
+
+    tokens = block.shape[labels.index(TOKEN)]
+    shape = [1] * block.dim()
+    sub = torch.arange(block.shape[labels.index(BLOCK)])
+    shape[labels.index(BLOCK)] = -1
+    index = sub.view(shape) * tokens
+    shape = [1] * block.dim()
+    shape[labels.index(TOKEN)] = -1
+    return index + torch.arange(tokens).view(shape)
 
 
 def nonzero_blocks_outside(

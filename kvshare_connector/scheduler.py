@@ -36,11 +36,32 @@ class RecvRequest:
 
 
 @dataclass
+class StoreKV:
+    """LMCache backend, prefill: this step computes the prompt's last token; store it."""
+
+    request_id: str
+    token_ids: list[int]
+    block_ids: BlockIds  # full tables from position 0, one per group
+
+
+@dataclass
+class LoadKV:
+    """LMCache backend, decode: load the prompt's KV into these blocks."""
+
+    request_id: str
+    token_ids: list[int]
+    block_ids: BlockIds  # full tables from position 0 (null block 0 kept)
+    num_computed_tokens: int  # tokens cached locally before the external ones
+
+
+@dataclass
 class KVShareMetadata(KVConnectorMetadata):
     """Scheduler -> worker, one engine step."""
 
     to_recv: list[RecvRequest] = field(default_factory=list)
     to_hold: dict[str, float] = field(default_factory=dict)  # request id -> lease seconds
+    to_store: list[StoreKV] = field(default_factory=list)  # LMCache backend
+    to_load: list[LoadKV] = field(default_factory=list)  # LMCache backend
 
 
 @dataclass
@@ -60,8 +81,10 @@ class KVShareScheduler:
         side_channel_host: str,
         side_channel_port: int,
         lease_s: float,
+        backend: str = "nixl",
     ):
         self.engine_id = engine_id
+        self.backend = backend
         self.host = side_channel_host
         self.port = side_channel_port
         self.lease_s = lease_s
@@ -80,6 +103,9 @@ class KVShareScheduler:
         self._to_hold: dict[str, float] = {}
         self._loading: dict[str, _Loading] = {}
         self._local_tokens: dict[str, int] = {}  # tokens cached locally when matched
+        self._to_store: dict[str, list[list[int]] | None] = {}  # prefill, LMCache: tables
+        self._prompts: dict[str, list[int]] = {}
+        self._to_load: list[LoadKV] = []
         self.load_errors: dict[str, str] = {}
 
     # -- decode ----------------------------------------------------------------------------
@@ -109,6 +135,9 @@ class KVShareScheduler:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and self.backend == "lmcache":
+            self._to_store.setdefault(request.request_id, None)  # tables come with the step
+            return
         if not params or not params.get("do_remote_prefill"):
             return
         try:
@@ -117,6 +146,19 @@ class KVShareScheduler:
             self._fail_params(request, str(exc))
             return
         local_tokens = self._local_tokens.pop(request.request_id, 0)
+        if self.backend == "lmcache":
+            params["do_remote_prefill"] = False
+            if num_external_tokens > 0:
+                self._loading[request.request_id] = _Loading(request, local_tokens)
+                self._to_load.append(
+                    LoadKV(
+                        request.request_id,
+                        list(request.prompt_token_ids),
+                        tuple(list(ids) for ids in blocks.get_block_ids()),
+                        local_tokens,
+                    )
+                )
+            return
         if num_external_tokens > 0:
             local = self.clip_to_windows(blocks.get_unhashed_block_ids_all_groups())
             self._loading[request.request_id] = _Loading(request, local_tokens)
@@ -162,6 +204,11 @@ class KVShareScheduler:
         error = self.load_errors.pop(request.request_id, None)
         self._loading.pop(request.request_id, None)
         self._local_tokens.pop(request.request_id, None)
+        self._to_store.pop(request.request_id, None)  # stored in its last prefill step
+        self._prompts.pop(request.request_id, None)
+        if params.get("do_remote_prefill") and self.backend == "lmcache":
+            params["do_remote_prefill"] = False  # LMCache holds no prefill blocks
+            return False, None
         if params.get("do_remote_prefill"):
             # Aborted before blocks were allocated: prefill still holds blocks for it.
             try:
@@ -182,14 +229,21 @@ class KVShareScheduler:
             RequestStatus.FINISHED_STOPPED,
         ):
             return False, None  # aborted prefill: free now, decode will not come
+        if self.backend == "lmcache":
+            # The KV went to LMCache in the step that computed it: nothing to hold.
+            return False, self._params(request, tuple([] for _ in block_ids), lmcache=True)
         clipped = self.clip_to_windows(block_ids)
         hold = any(clipped)
         if hold:
             self._to_hold[request.request_id] = self.lease_s
-        return hold, {
+        return hold, self._params(request, clipped, lmcache=False)
+
+    def _params(self, request: Any, block_ids: BlockIds, lmcache: bool) -> dict[str, Any]:
+        """What decode needs, in vLLM NixlConnector's names (so PD proxies pass it on)."""
+        params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": [list(ids) for ids in clipped],
+            "remote_block_ids": [list(ids) for ids in block_ids],
             "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id,
             "remote_host": self.host,
@@ -197,10 +251,54 @@ class KVShareScheduler:
             "tp_size": self.tp_size,
             "remote_num_tokens": request.num_computed_tokens,
         }
+        if lmcache:
+            params["kvshare_backend"] = "lmcache"
+        return params
 
     # -- every step ------------------------------------------------------------------------
 
-    def build_connector_meta(self) -> KVShareMetadata:
-        meta = KVShareMetadata(to_recv=self._to_recv, to_hold=self._to_hold)
-        self._to_recv, self._to_hold = [], {}
+    def build_connector_meta(self, scheduler_output: Any = None) -> KVShareMetadata:
+        meta = KVShareMetadata(
+            to_recv=self._to_recv,
+            to_hold=self._to_hold,
+            to_store=self._stores_this_step(scheduler_output) if self._to_store else [],
+            to_load=self._to_load,
+        )
+        self._to_recv, self._to_hold, self._to_load = [], {}, []
         return meta
+
+    def _stores_this_step(self, scheduler_output: Any) -> list[StoreKV]:
+        """LMCache prefill: follow each request's block tables through the steps and store
+        it in the step that computes its last prompt token (the worker stores right after
+        that forward, before the first token goes out)."""
+        stores = []
+        cached = scheduler_output.scheduled_cached_reqs
+        steps = [
+            (r.req_id, r.block_ids, False, r.num_computed_tokens, r.prompt_token_ids)
+            for r in scheduler_output.scheduled_new_reqs
+        ] + [
+            (rid, new_ids, rid in cached.resumed_req_ids, computed, None)
+            for rid, new_ids, computed in zip(
+                cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+            )
+        ]
+        for request_id, new_ids, resumed, computed, prompt in steps:
+            if request_id not in self._to_store:
+                continue
+            tables = self._to_store[request_id]
+            if new_ids is not None:
+                if tables is None or resumed or prompt is not None:
+                    tables = [list(ids) for ids in new_ids]
+                else:
+                    for table, ids in zip(tables, new_ids, strict=True):
+                        table.extend(ids)
+            self._to_store[request_id] = tables
+            if prompt is not None:
+                self._prompts[request_id] = list(prompt)
+            prompt_ids = self._prompts.get(request_id, [])
+            scheduled = scheduler_output.num_scheduled_tokens.get(request_id, 0)
+            if tables is not None and prompt_ids and computed + scheduled >= len(prompt_ids):
+                stores.append(StoreKV(request_id, prompt_ids, tuple(tables)))
+                del self._to_store[request_id]
+                del self._prompts[request_id]
+        return stores

@@ -52,8 +52,11 @@ class KVShareWorker:
         lease_s: float,
         handshake_timeout_s: float,
         transfer_timeout_s: float,
+        lmcache_config: Any = None,
     ):
         self.vllm_config = vllm_config
+        self.lmcache_config = lmcache_config  # set: the LMCache backend instead of NIXL
+        self.lmcache: Any = None
         self.kv_cache_config = kv_cache_config
         self.engine_id = engine_id
         self.role = role
@@ -68,6 +71,7 @@ class KVShareWorker:
         self._failed: dict[str, str] = {}
         self._invalid_blocks: set[int] = set()
         self._local_ids: dict[str, Any] = {}
+        self._loaded: set[str] = set()  # LMCache loads done this step
 
     # -- registration ----------------------------------------------------------------------
 
@@ -84,7 +88,7 @@ class KVShareWorker:
         topology = vllm_adapter.topology_from_kv_caches(
             self.kv_cache_config, kv_caches, backends, sharing, layout
         )
-        self._start(topology, len(kv_caches), started)
+        self._start(topology, len(kv_caches), started, kv_caches)
 
     def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any) -> None:
         started = time.perf_counter()
@@ -96,10 +100,13 @@ class KVShareWorker:
             vllm_adapter.sharing_map(context),
             self.vllm_config,
         )
-        self._start(topology, 1, started)
+        self._start(topology, 1, started, kv_cache)
 
-    def _start(self, topology: KVTopology, handed: int, started: float) -> None:
+    def _start(self, topology: KVTopology, handed: int, started: float, tensors: Any) -> None:
         self.topology = topology
+        if self.lmcache_config is not None:
+            self._start_lmcache(topology, tensors, started)
+            return
         agent = f"{self.engine_id}-{self.role}-{uuid.uuid4().hex[:6]}"
         transport = NixlTransport(agent)
         if self.role in ("kv_producer", "kv_both"):
@@ -133,14 +140,46 @@ class KVShareWorker:
             f"; side channel {self.host}:{self.source.port}" if self.source else "",
         )
 
+    def _start_lmcache(self, topology: KVTopology, tensors: Any, started: float) -> None:
+        from kvshare_connector.lmcache_backend import LMCacheBackend, default_model_tag
+
+        model = self.vllm_config.model_config
+        self.lmcache = LMCacheBackend(
+            self.lmcache_config,
+            topology,
+            tensors,
+            model_tag=default_model_tag(model.served_model_name or model.model),
+            engine_id=self.engine_id,
+        )
+        logger.info(
+            "KVShareConnector %s (%s, %s layout, LMCache backend): %d owner layer(s) handed "
+            "to LMCache, %d sharing layer(s) not (%.2f s)",
+            self.engine_id,
+            self.role,
+            topology.layout,
+            len(topology.owners),
+            len(topology.sharers),
+            time.perf_counter() - started,
+        )
+
     # -- every step ------------------------------------------------------------------------
 
     def start_load_kv(self, metadata: KVShareMetadata) -> None:
+        for load in metadata.to_load:
+            self._local_ids[load.request_id] = load.block_ids
+            try:
+                self.lmcache.load(
+                    load.request_id, load.token_ids, load.block_ids, load.num_computed_tokens
+                )
+                self._loaded.add(load.request_id)
+            except Exception as exc:  # one request fails, never the engine
+                self._fail(load.request_id, f"{type(exc).__name__}: {exc}")
         for recv in metadata.to_recv:
             nothing_to_load = not any(recv.local_block_ids)
             request_id = recv.request_id + (_RELEASE_SUFFIX if nothing_to_load else "")
             if self.sink is None:
-                self._fail(recv.request_id, f"engine role {self.role} cannot load KV")
+                if not nothing_to_load:
+                    self._fail(recv.request_id, f"engine role {self.role} cannot load KV")
                 continue
             try:
                 self.sink.request(request_id, recv.params, recv.local_block_ids)
@@ -156,9 +195,18 @@ class KVShareWorker:
                 continue
             self.source.hold(request_id, lease_s)
 
+    def wait_for_save(self, metadata: KVShareMetadata) -> None:
+        """LMCache prefill: copy the KV computed in this step out before blocks move on."""
+        for store in metadata.to_store:
+            try:
+                self.lmcache.store(store.request_id, store.token_ids, store.block_ids)
+                self.stats.count("sent")
+            except Exception as exc:  # decode will miss and compute the prompt itself
+                logger.error("request %s: storing KV in LMCache failed: %s", store.request_id, exc)
+
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         sending: set[str] = set()
-        recving: set[str] = set()
+        recving, self._loaded = self._loaded, set()
         if self.source is not None:
             read, expired = self.source.poll()
             sending = read | expired
@@ -210,6 +258,8 @@ class KVShareWorker:
             self.source.close()
         if self.sink is not None:
             self.sink.close()
+        if self.lmcache is not None:
+            self.lmcache.close()
 
 
 def _short_map(sharers: dict[str, str], limit: int = 3) -> str:

@@ -43,6 +43,8 @@ CELLS: dict[str, dict[str, Any]] = {
     "g4uniform/kvcached-per-layer": {"model": "g4uniform", "kvcached": "per_layer"},
     "g4uniform/kvcached-contiguous": {"model": "g4uniform", "kvcached": "contiguous"},
     "g4tiny/v2-runner": {"model": "g4tiny", "runner": "v2"},
+    "lmcache:g4tiny/plain": {"model": "g4tiny", "backend": "lmcache"},
+    "lmcache:g4uniform/cross-layer": {"model": "g4uniform", "backend": "lmcache"},
     "nixl:g4tiny/plain": {"model": "g4tiny", "connector": "NixlConnector"},
     "nixl:g4tiny/kvcached-per-layer": {
         "model": "g4tiny",
@@ -55,7 +57,7 @@ CELLS: dict[str, dict[str, Any]] = {
         "kvcached": "contiguous",
     },
 }
-MATRIX = [c for c in CELLS if not c.startswith("nixl:")]
+MATRIX = [c for c in CELLS if ":" not in c]
 
 
 def cell_env(cell: dict[str, Any]) -> dict[str, str]:
@@ -104,6 +106,11 @@ def engine_main(args: argparse.Namespace) -> None:
         if kv_config["kv_connector"] == "KVShareConnector":
             # The module-path form: works where the package is on PYTHONPATH, not installed.
             kv_config["kv_connector_module_path"] = "kvshare_connector"
+        if cell.get("backend") == "lmcache":
+            kv_config["kv_connector_extra_config"].update(
+                backend="lmcache",
+                lmcache={"remote_url": os.environ["KVSHARE_LMCACHE_URL"], "load_timeout_s": 30},
+            )
     overrides = hf_overrides_for(path / "config.json")
     if (
         overrides.get("global_head_dim")
@@ -257,6 +264,21 @@ def run_cell(name: str, out: Path, port: int, mem: float, timeout_s: float) -> d
     work = out / name.replace("/", "__").replace(":", "_")
     work.mkdir(parents=True, exist_ok=True)
     env = cell_env(cell)
+    server = None
+    if cell.get("backend") == "lmcache":  # an lm:// server between the two engines
+        lm_port = port + 5
+        server = subprocess.Popen(
+            [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(lm_port), "cpu"],
+            stdout=(work / "lmcache_server.log").open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        env.update(
+            KVSHARE_LMCACHE_URL=f"lm://127.0.0.1:{lm_port}",
+            PYTHONHASHSEED="0",
+            LMCACHE_TRACK_USAGE="false",
+        )
+        time.sleep(3)
     t0 = time.monotonic()
     prefill = spawn("prefill", work, work / "prefill.log", env, name, None, port, mem)
     decode = spawn("decode", work, work / "decode.log", env, name, None, port + 1, mem)
@@ -268,6 +290,8 @@ def run_cell(name: str, out: Path, port: int, mem: float, timeout_s: float) -> d
     rc_d = wait(decode, 1)
     (work / "stop").touch()
     rc_p = wait(prefill, 60)
+    if server is not None:
+        os.killpg(server.pid, 9)
     result: dict[str, Any] = {
         "cell": name,
         **cell,

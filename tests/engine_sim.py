@@ -127,6 +127,7 @@ class Engine:
                 sampled[req_id] = [11 + len(request.output_token_ids)]
             else:
                 sampled[req_id] = []
+        self.worker.wait_for_save()  # after the forward, as the model runner does
         sending, recving = self.worker.get_finished(out.finished_req_ids)
         stats = self.worker.get_kv_connector_stats()
         if stats is not None:
@@ -175,7 +176,12 @@ class Engine:
         # The prefill request that made this KV had the same index: "d3" <- "p3".
         seed = _seed("p" + req_id[1:])
         return kvcheck.mismatches(
-            self.stack.kv_caches, self.topology, blocks, seed=seed, first_positions=firsts
+            self.stack.kv_caches,
+            self.topology,
+            blocks,
+            seed=seed,
+            first_positions=firsts,
+            num_tokens=request.num_prompt_tokens,
         )
 
     def run_until(self, done, timeout_s: float = 60.0) -> None:
@@ -199,9 +205,10 @@ def num_blocks_for(group_spec: Any, tokens: int) -> int:
 
 
 def run_prefill(args: argparse.Namespace) -> None:
-    engine = Engine(
-        args.model, args.layout, "kv_producer", args.port, {"kv_lease_duration": args.lease_s}
-    )
+    extra: dict[str, Any] = {"kv_lease_duration": args.lease_s}
+    if args.lmcache_url:
+        extra.update(lmcache_extra(args.lmcache_url))
+    engine = Engine(args.model, args.layout, "kv_producer", args.port, extra)
     results: dict[str, Any] = {}
     for i in range(args.requests):
         rid = f"p{i}"
@@ -222,17 +229,18 @@ def run_prefill(args: argparse.Namespace) -> None:
     )
     # Keep stepping: blocks are freed when decode has read them or the lease ends.
     pool = engine.scheduler.kv_cache_manager.block_pool
+    source = engine.worker.worker.source  # None with the LMCache backend: nothing is held
     deadline = time.monotonic() + args.lease_s + 20
-    while time.monotonic() < deadline:
+    while source is not None and time.monotonic() < deadline:
         engine.step()
-        if not engine.worker.worker.source.held:
+        if not source.held:
             break
         time.sleep(0.01)
     print(
         RESULT
         + json.dumps(
             {
-                "held": sorted(engine.worker.worker.source.held),
+                "held": sorted(source.held) if source is not None else [],
                 "free_blocks": pool.get_num_free_blocks(),
                 "total_blocks": pool.num_gpu_blocks - 1,  # minus the null block
                 "stats": engine.stats,
@@ -241,6 +249,14 @@ def run_prefill(args: argparse.Namespace) -> None:
         flush=True,
     )
     time.sleep(args.linger_s)
+
+
+def lmcache_extra(url: str) -> dict[str, Any]:
+    """kv_connector_extra_config of the LMCache backend through an ``lm://`` server."""
+    return {
+        "backend": "lmcache",
+        "lmcache": {"remote_url": url, "max_local_cpu_size_gb": 0.05, "load_timeout_s": 10.0},
+    }
 
 
 def decode_requests(engine: Engine, prefill: dict[str, Any], tokens: int) -> dict[str, Any]:
@@ -269,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=2)
     parser.add_argument("--lease-s", type=float, default=30.0)
     parser.add_argument("--linger-s", type=float, default=1.0)
+    parser.add_argument("--lmcache-url", help="use the LMCache backend through this server")
     args = parser.parse_args(argv)
     run_prefill(args)
 
