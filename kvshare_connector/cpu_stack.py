@@ -45,6 +45,23 @@ class CpuKVStack:
     keepalive: list[Any] = field(default_factory=list)  # raw buffers behind the views
 
 
+def topology_of(stack: CpuKVStack) -> Any:
+    """The topology the connector's worker builds from what vLLM hands it for this stack."""
+    from kvshare_connector import vllm_adapter
+
+    if stack.cross_layer_tensor is not None:
+        return vllm_adapter.topology_from_cross_layer(
+            stack.kv_cache_config,
+            stack.cross_layer_tensor,
+            stack.cross_layer_backend,
+            stack.sharing,
+            stack.vllm_config,
+        )
+    return vllm_adapter.topology_from_kv_caches(
+        stack.kv_cache_config, stack.kv_caches, stack.backends, stack.sharing, stack.layout
+    )
+
+
 def model_dir(model: str, root: Path) -> Path:
     """Write the packaged config of ``model`` into ``root/model`` (vLLM reads a directory)."""
     if model not in MODELS:

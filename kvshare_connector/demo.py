@@ -27,50 +27,51 @@ READY = "KVSHARE_PREFILL_READY "
 DONE = "KVSHARE_PREFILL_DONE "
 
 
-def request_block_ids(topology: Any, tokens: int, seed: int) -> list[list[int]]:
-    """Block ids a vLLM block pool could give one request of ``tokens`` tokens, per group.
-
-    Sliding-window groups keep only the blocks of the window (+1 for alignment, as vLLM
-    clips them); ids are distinct across groups, shuffled, never the null block 0.
-    """
-    import numpy as np
-
+def blocks_per_group(topology: Any, tokens: int) -> list[int]:
+    """Blocks of one request of ``tokens`` tokens per group; sliding-window groups keep
+    only the blocks of the window (+1 for alignment, as vLLM clips them)."""
     counts = []
     for group in topology.groups:
         blocks = math.ceil(tokens / group.spec.block_size)
         if group.spec.sliding_window:
             blocks = min(blocks, math.ceil(group.spec.sliding_window / group.spec.block_size) + 1)
         counts.append(blocks)
-    if sum(counts) >= topology.num_blocks:
+    return counts
+
+
+def requests_block_ids(topology: Any, tokens: int, count: int, seed: int) -> list[list[list[int]]]:
+    """Block ids a vLLM block pool could give ``count`` requests, per group: distinct
+    across groups and requests, shuffled, never the null block 0."""
+    import numpy as np
+
+    per_group = blocks_per_group(topology, tokens)
+    need = count * sum(per_group)
+    if need >= topology.num_blocks:
         raise ValueError(
-            f"{tokens} tokens need {sum(counts)} blocks, the cache has {topology.num_blocks}"
+            f"{count} request(s) of {tokens} tokens need {need} blocks, the cache has "
+            f"{topology.num_blocks}"
         )
     pool = np.random.default_rng(seed).permutation(np.arange(1, topology.num_blocks))
     out, start = [], 0
-    for count in counts:
-        out.append([int(b) for b in pool[start : start + count]])
-        start += count
+    for _ in range(count):
+        request = []
+        for n in per_group:
+            request.append([int(b) for b in pool[start : start + n]])
+            start += n
+        out.append(request)
     return out
 
 
+def request_block_ids(topology: Any, tokens: int, seed: int) -> list[list[int]]:
+    """Block ids of one request (see ``requests_block_ids``)."""
+    return requests_block_ids(topology, tokens, 1, seed)[0]
+
+
 def build(model: str, layout: str, kv_mib: int, max_model_len: int) -> tuple[Any, Any]:
-    from kvshare_connector import vllm_adapter
-    from kvshare_connector.cpu_stack import build_cpu_stack
+    from kvshare_connector.cpu_stack import build_cpu_stack, topology_of
 
     stack = build_cpu_stack(model, layout, kv_bytes=kv_mib << 20, max_model_len=max_model_len)
-    if layout == "cross_layer":
-        topology = vllm_adapter.topology_from_cross_layer(
-            stack.kv_cache_config,
-            stack.cross_layer_tensor,
-            stack.cross_layer_backend,
-            stack.sharing,
-            stack.vllm_config,
-        )
-    else:
-        topology = vllm_adapter.topology_from_kv_caches(
-            stack.kv_cache_config, stack.kv_caches, stack.backends, stack.sharing, layout
-        )
-    return stack, topology
+    return stack, topology_of(stack)
 
 
 # ---- prefill process ----------------------------------------------------------------------

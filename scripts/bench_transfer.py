@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from kvshare_connector.demo import blocks_per_group, requests_block_ids
+
 MODEL = "gemma4_e2b_shape"
 LAYOUT = "per_layer"
 READY = "BENCH_PREFILL_READY "
@@ -41,19 +43,6 @@ MAX_MODEL_LEN = 2048  # vLLM's check only; requests here are longer (see blocks_
 
 
 # ---- KV geometry helpers ----------------------------------------------------------------
-
-
-def blocks_per_group(topology: Any, tokens: int) -> list[int]:
-    """Blocks of one request per group, as ``demo.request_block_ids`` counts them (sliding
-    groups keep their window + 1 block)."""
-    counts = []
-    for group in topology.groups:
-        blocks = math.ceil(tokens / group.spec.block_size)
-        if group.spec.sliding_window:
-            window = math.ceil(group.spec.sliding_window / group.spec.block_size) + 1
-            blocks = min(blocks, window)
-        counts.append(blocks)
-    return counts
 
 
 def request_bytes(topology: Any, tokens: int) -> int:
@@ -64,22 +53,10 @@ def request_bytes(topology: Any, tokens: int) -> int:
 
 
 def disjoint_requests(topology: Any, tokens: int, count: int, seed: int) -> list[list[list[int]]]:
-    """``count`` requests' block ids per group: distinct, shuffled, never block 0."""
-    per_group = blocks_per_group(topology, tokens)
-    need = count * sum(per_group)
-    if need >= topology.num_blocks:
-        raise SystemExit(
-            f"{count} requests need {need} blocks, the cache has {topology.num_blocks}"
-        )
-    pool = np.random.default_rng(seed).permutation(np.arange(1, topology.num_blocks))
-    out, start = [], 0
-    for _ in range(count):
-        request = []
-        for n in per_group:
-            request.append([int(b) for b in pool[start : start + n]])
-            start += n
-        out.append(request)
-    return out
+    try:
+        return requests_block_ids(topology, tokens, count, seed)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
 
 
 def segments(topology: Any, ids: list[list[int]]):

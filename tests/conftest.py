@@ -17,20 +17,10 @@ def cpu_stack(model: str, layout: str, kv_mib: int = 64):
 
 @functools.cache
 def cpu_topology(model: str, layout: str, kv_mib: int = 64):
-    from kvshare_connector import vllm_adapter
+    from kvshare_connector.cpu_stack import topology_of
 
     stack = cpu_stack(model, layout, kv_mib)
-    if layout == "cross_layer":
-        return stack, vllm_adapter.topology_from_cross_layer(
-            stack.kv_cache_config,
-            stack.cross_layer_tensor,
-            stack.cross_layer_backend,
-            stack.sharing,
-            stack.vllm_config,
-        )
-    return stack, vllm_adapter.topology_from_kv_caches(
-        stack.kv_cache_config, stack.kv_caches, stack.backends, stack.sharing, layout=layout
-    )
+    return stack, topology_of(stack)
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 
-from kvshare_connector import vllm_adapter
 from kvshare_connector.topology import BLOCK, CONTENT, DIM, HEAD, KV, TOKEN, KVTopology
 
 from .blockutil import disjoint_block_ids
@@ -44,22 +43,11 @@ def build(model: str, layout: str, kv_mib: int = 32) -> tuple[Any, KVTopology, A
 
 @functools.cache
 def _build(model: str, layout: str, kv_mib: int) -> tuple[Any, KVTopology, Any]:
-    from kvshare_connector.cpu_stack import build_cpu_stack
+    from kvshare_connector.cpu_stack import build_cpu_stack, topology_of
 
     stack = build_cpu_stack(model, layout, kv_bytes=kv_mib << 20, max_model_len=1024)
-    if layout == "cross_layer":
-        topology = vllm_adapter.topology_from_cross_layer(
-            stack.kv_cache_config,
-            stack.cross_layer_tensor,
-            stack.cross_layer_backend,
-            stack.sharing,
-            stack.vllm_config,
-        )
-        return stack, topology, stack.cross_layer_tensor
-    topology = vllm_adapter.topology_from_kv_caches(
-        stack.kv_cache_config, stack.kv_caches, stack.backends, stack.sharing, layout
-    )
-    return stack, topology, stack.kv_caches
+    tensors = stack.cross_layer_tensor if layout == "cross_layer" else stack.kv_caches
+    return stack, topology_of(stack), tensors
 
 
 def full_tables(topology: KVTopology, n: int, seed: int) -> list[list[int]]:

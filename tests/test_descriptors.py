@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvshare_connector import kvcheck, vllm_adapter
-from kvshare_connector.cpu_stack import build_cpu_stack
+from kvshare_connector import kvcheck
+from kvshare_connector.cpu_stack import build_cpu_stack, topology_of
 from kvshare_connector.descriptors import (
     DescriptorError,
     request_descriptors,
@@ -28,19 +28,7 @@ CASES = [
 
 def fresh(model: str, layout: str):
     stack = build_cpu_stack(model, layout, kv_bytes=32 << 20, max_model_len=1024)
-    if layout == "cross_layer":
-        topology = vllm_adapter.topology_from_cross_layer(
-            stack.kv_cache_config,
-            stack.cross_layer_tensor,
-            stack.cross_layer_backend,
-            stack.sharing,
-            stack.vllm_config,
-        )
-    else:
-        topology = vllm_adapter.topology_from_kv_caches(
-            stack.kv_cache_config, stack.kv_caches, stack.backends, stack.sharing, layout
-        )
-    return stack, topology
+    return stack, topology_of(stack)
 
 
 def request_ids(topology, seed):

@@ -31,8 +31,6 @@ import time
 import uuid
 from typing import Any
 
-import numpy as np
-
 PREFIX_READY = "READY "
 PREFIX_ALL_READY = "ALL_READY "
 PREFIX_RELEASED = "RELEASED "
@@ -44,25 +42,10 @@ def emit(prefix: str, payload: Any) -> None:
 
 
 def disjoint_requests(topology: Any, tokens: int, count: int, seed: int) -> list[list[list[int]]]:
-    """``count`` requests' block ids per group, as a block pool hands them out: distinct
-    across groups and requests, shuffled, never the null block 0."""
-    from kvshare_connector.demo import request_block_ids
+    """``count`` requests' block ids per group, as a block pool hands them out."""
+    from kvshare_connector.demo import requests_block_ids
 
-    per_group = [len(ids) for ids in request_block_ids(topology, tokens, seed)]
-    need = count * sum(per_group)
-    if need >= topology.num_blocks:
-        raise ValueError(
-            f"{count} requests need {need} blocks, the cache has {topology.num_blocks}"
-        )
-    pool = np.random.default_rng(seed).permutation(np.arange(1, topology.num_blocks))
-    out, start = [], 0
-    for _ in range(count):
-        request = []
-        for n in per_group:
-            request.append([int(b) for b in pool[start : start + n]])
-            start += n
-        out.append(request)
-    return out
+    return requests_block_ids(topology, tokens, count, seed)
 
 
 class Served:
