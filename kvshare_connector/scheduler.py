@@ -180,11 +180,12 @@ class KVShareScheduler:
         vLLM 0.26's invalid-block path unpacks a single KV cache group, so under HMA the
         connector resets what was counted as computed itself, the same way that path does.
         """
+        # One group: the worker reported the blocks and vLLM's kv_load_failure_policy
+        # decides (recompute or fail the request); several: recompute.
+        then = "recomputed locally" if self.num_groups > 1 else "kv_load_failure_policy applies"
         for request_id, reason in failures.items():
-            logger.error(
-                "request %s: KV load failed (%s); recomputing it locally", request_id, reason
-            )
-            self.load_errors[request_id] = f"KV load failed: {reason}; recomputed locally"
+            logger.error("request %s: KV load failed (%s); %s", request_id, reason, then)
+            self.load_errors[request_id] = f"KV load failed: {reason}; {then}"
             loading = self._loading.pop(request_id, None)
             if loading is not None and self.num_groups > 1:
                 loading.request.num_computed_tokens = loading.local_tokens

@@ -217,7 +217,7 @@ class KVShareWorker:
             for request_id, reason in failed.items():
                 if not request_id.endswith(_RELEASE_SUFFIX):
                     self._fail(request_id, reason)
-            recving = {r for r in done if not r.endswith(_RELEASE_SUFFIX)}
+            recving |= {r for r in done if not r.endswith(_RELEASE_SUFFIX)}
             for record in self.sink.records:
                 self.stats.record_read(
                     record.bytes, record.blocks, record.descriptors, record.seconds
