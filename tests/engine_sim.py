@@ -103,6 +103,17 @@ class Engine:
         self.stats: list[dict] = []
         self.loaded: dict[str, list[str]] = {}  # decode request -> pattern mismatches on load
 
+    def close(self) -> None:
+        """The connector's shutdown, as vLLM's worker calls it: NIXL agents and LMCache
+        engines (whose event-loop threads would otherwise keep the process alive) go."""
+        self.worker.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def add(self, request_id: str, tokens: int, max_tokens: int, params: dict | None, seed: int):
         self.scheduler.add_request(
             make_request(request_id, tokens, max_tokens, params, seed, self.scheduler.block_hasher)
@@ -249,6 +260,7 @@ def run_prefill(args: argparse.Namespace) -> None:
         flush=True,
     )
     time.sleep(args.linger_s)
+    engine.close()
 
 
 def lmcache_extra(url: str) -> dict[str, Any]:

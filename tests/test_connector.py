@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -77,7 +78,21 @@ def prefill_engine():
         child.kill()
 
 
-def test_pd_transfer_through_vllm_scheduler(prefill_engine):
+@pytest.fixture
+def engines():
+    """In-process engines made by a test, shut down after it as vLLM shuts a worker down."""
+    made: list[Engine] = []
+
+    def make(*args: Any, **kwargs: Any) -> Engine:
+        made.append(Engine(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def test_pd_transfer_through_vllm_scheduler(prefill_engine, engines):
     child, ready = prefill_engine
     requests = ready["requests"]
     assert ready["owners"] == 6 and ready["regions"] == 1
@@ -85,7 +100,7 @@ def test_pd_transfer_through_vllm_scheduler(prefill_engine):
         params = info["kv_transfer_params"]
         assert params["do_remote_prefill"] is True and len(params["remote_block_ids"]) == 6
 
-    decode = Engine("g4tiny", "per_layer", "kv_consumer", free_port())
+    decode = engines("g4tiny", "per_layer", "kv_consumer", free_port())
     good = {rid: requests[rid] for rid in ("p0", "p1")}
     report = decode_requests(decode, good, 300)
 
@@ -113,8 +128,8 @@ def test_pd_transfer_through_vllm_scheduler(prefill_engine):
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
 
-def test_unreachable_prefill_and_malformed_params_are_computed_locally():
-    decode = Engine(
+def test_unreachable_prefill_and_malformed_params_are_computed_locally(engines):
+    decode = engines(
         "g4tiny",
         "per_layer",
         "kv_consumer",
@@ -177,7 +192,7 @@ def test_decode_that_never_comes_releases_the_lease():
     assert sum(s["expired_leases"] for s in result["stats"]) == 2
 
 
-def test_cross_layer_blocks_pd_transfer():
+def test_cross_layer_blocks_pd_transfer(engines):
     port = free_port()
     child = Child(
         [
@@ -199,7 +214,7 @@ def test_cross_layer_blocks_pd_transfer():
     )
     try:
         ready = child.wait_json(READY, 180)
-        decode = Engine("g4uniform", "per_layer", "kv_consumer", free_port())
+        decode = engines("g4uniform", "per_layer", "kv_consumer", free_port())
         assert decode.topology.layout == "per_layer"
         decode_requests(decode, ready["requests"], 250)
         assert decode.loaded == {"d0": []}
@@ -212,7 +227,7 @@ def test_cross_layer_blocks_pd_transfer():
 # ---- the LMCache backend ------------------------------------------------------------------
 
 
-def test_pd_through_lmcache_backend(monkeypatch):
+def test_pd_through_lmcache_backend(monkeypatch, engines):
     """Prefill stores owner layers' KV in LMCache (an lm:// server) in the step that computes
     it and holds no blocks; decode loads it into its own blocks through vLLM's scheduler."""
     pytest.importorskip("lmcache")
@@ -261,7 +276,7 @@ def test_pd_through_lmcache_backend(monkeypatch):
         assert result["free_blocks"] == result["total_blocks"]  # prefill held nothing
         assert sum(s["sent"] for s in result["stats"]) == 2  # two stores
 
-        decode = Engine("g4tiny", "per_layer", "kv_consumer", free_port(), lmcache_extra(url))
+        decode = engines("g4tiny", "per_layer", "kv_consumer", free_port(), lmcache_extra(url))
         report = decode_requests(decode, ready["requests"], 300)
         assert decode.loaded == {"d0": [], "d1": []}
         assert all(r["kv_transfer_params"] is None for r in report.values())
