@@ -10,6 +10,7 @@ transport. Here every owner's addresses come from one broadcast
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,11 +52,6 @@ def block_ids_array(ids: Sequence[int], group: int, num_blocks: int, side: str) 
     return arr
 
 
-def _sorted(arr: np.ndarray) -> np.ndarray:
-    """Ascending ids (the usual case from a block pool costs one comparison pass)."""
-    return arr if arr.size < 2 or bool((arr[1:] > arr[:-1]).all()) else np.sort(arr)
-
-
 def slab_addresses(geometry: BlockGeometry, ids: np.ndarray) -> np.ndarray:
     """Start address of every segment of every block, block-major."""
     offsets = np.asarray(geometry.segment_offsets, dtype=np.int64)
@@ -63,42 +59,96 @@ def slab_addresses(geometry: BlockGeometry, ids: np.ndarray) -> np.ndarray:
     return addrs.ravel()
 
 
-def _group_addresses(geometries: Sequence[BlockGeometry], ids: np.ndarray) -> np.ndarray:
-    """Addresses of a group's owners, ordered so that neighbours in memory are neighbours
-    in the array (then coalescing needs no sort).
-
-    Per-layer layouts: owner-major (a run of blocks of one layer is contiguous).
-    Layouts that interleave owners inside a block (cross-layer blocks, kvcached's
-    contiguous layout): block-major, owners in address order.
-    """
-    if _interleaved(geometries):
-        ordered = sorted(geometries, key=lambda g: g.base)
-        bases = np.array([g.base for g in ordered], dtype=np.int64)
-        offsets = np.asarray(ordered[0].segment_offsets, dtype=np.int64)
-        stride = ordered[0].block_stride
-        addrs = ids[:, None, None] * stride + bases[None, :, None] + offsets[None, None, :]
-        return addrs.ravel()
-    return np.concatenate([slab_addresses(g, ids) for g in geometries])
+def _same_cut(geometries: Sequence[BlockGeometry]) -> bool:
+    """Owners whose blocks have the same stride and segments (one spec per group, as vLLM
+    makes them): their addresses come from one broadcast instead of one per owner."""
+    first = geometries[0]
+    return all(
+        g.block_stride == first.block_stride
+        and g.segment_offsets == first.segment_offsets
+        and g.segment_len == first.segment_len
+        for g in geometries[1:]
+    )
 
 
 def _interleaved(geometries: Sequence[BlockGeometry]) -> bool:
     """Owners that tile each block back to back, in the same segment pattern."""
-    if len(geometries) < 2:
+    if len(geometries) < 2 or not _same_cut(geometries):
         return False
     first = geometries[0]
-    same = all(
-        g.block_stride == first.block_stride
-        and g.segment_offsets == first.segment_offsets
-        and g.segment_len == first.segment_len
-        for g in geometries
-    )
-    if not same or len(first.segment_offsets) != 1:
+    if len(first.segment_offsets) != 1:
         return False
     bases = sorted(g.base for g in geometries)
     step = first.segment_len
     return all(b - a == step for a, b in itertools.pairwise(bases)) and (
         first.block_stride == step * len(geometries)
     )
+
+
+# A per-slab value: one number when every slab has it (the usual case: one spec per group,
+# one device), else one entry per slab. Keeping the scalar saves building and scanning
+# arrays as long as the request's slabs.
+PerSlab = int | np.ndarray
+
+
+def _uniform(geometries: Sequence[BlockGeometry], attr: str) -> int | None:
+    values = {getattr(g, attr) for g in geometries}
+    return values.pop() if len(values) == 1 else None
+
+
+class _Cut:
+    """A group's owners on one side, in slab order, reduced to what the address math
+    needs. Built once (per topology, per paired peer), so a request costs numpy work only.
+
+    ``block_major``: slabs ordered ``block, owner, segment`` (owners interleaved inside a
+    block: cross-layer blocks, kvcached's contiguous layout), else ``owner, block, segment``
+    (a run of blocks of one per-layer tensor is contiguous). Either way neighbours in
+    memory are neighbours in the array, so coalescing needs no sort.
+    """
+
+    def __init__(self, geometries: Sequence[BlockGeometry], block_major: bool):
+        self.geometries = tuple(geometries)
+        self.block_major = block_major
+        self.segment_len = _uniform(geometries, "segment_len")
+        self.device_id = _uniform(geometries, "device_id")
+        self.same_cut = _same_cut(geometries)
+        first = geometries[0]
+        self.bases = np.array([g.base for g in geometries], dtype=np.int64)
+        self.offsets = np.asarray(first.segment_offsets, dtype=np.int64)
+        self.stride = first.block_stride
+
+    def addresses(self, ids: np.ndarray) -> np.ndarray:
+        if not self.same_cut:
+            per_owner = [slab_addresses(g, ids) for g in self.geometries]
+            if not self.block_major:
+                return np.concatenate(per_owner)
+            stacked = np.stack(per_owner).reshape(len(per_owner), ids.size, -1)
+            return stacked.transpose(1, 0, 2).ravel()
+        blocks = ids * self.stride
+        if self.block_major:
+            addrs = blocks[:, None, None] + self.bases[None, :, None] + self.offsets
+        else:
+            addrs = self.bases[:, None, None] + blocks[None, :, None] + self.offsets
+        return addrs.ravel()
+
+    def per_slab(self, attr: str, blocks: int) -> PerSlab:
+        """``segment_len`` or ``device_id`` of every slab of ``blocks`` blocks."""
+        value = getattr(self, attr)
+        if value is not None:
+            return value
+        parts = [
+            np.full(blocks * len(g.segment_offsets), getattr(g, attr), dtype=np.int64)
+            for g in self.geometries
+        ]
+        if self.block_major:  # same segment count per owner: see _interleaved
+            return np.stack(parts).reshape(len(parts), blocks, -1).transpose(1, 0, 2).ravel()
+        return np.concatenate(parts)
+
+
+def _group_cut(geometries: Sequence[BlockGeometry]) -> _Cut:
+    if _interleaved(geometries):
+        return _Cut(sorted(geometries, key=lambda g: g.base), block_major=True)
+    return _Cut(geometries, block_major=False)
 
 
 def _check_group_count(block_ids: BlockIds, num_groups: int, side: str) -> None:
@@ -109,41 +159,77 @@ def _check_group_count(block_ids: BlockIds, num_groups: int, side: str) -> None:
         )
 
 
+class RequestPlan:
+    """One side's owners cut per group, for :func:`request_descriptors`."""
+
+    def __init__(self, topology: KVTopology):
+        self.num_blocks = topology.num_blocks
+        self.cuts: list[_Cut | None] = [
+            _group_cut([topology.owners[n].geometry for n in group.layer_names])
+            if group.layer_names
+            else None
+            for group in topology.groups
+        ]
+
+
+_request_plans: dict[int, tuple[weakref.ref, RequestPlan]] = {}
+
+
+def request_plan(topology: KVTopology) -> RequestPlan:
+    """The topology's plan, built on first use (a topology is immutable)."""
+    entry = _request_plans.get(id(topology))
+    if entry is not None and entry[0]() is topology:
+        return entry[1]
+    plan = RequestPlan(topology)
+    key = id(topology)
+    _request_plans[key] = (weakref.ref(topology, lambda _: _request_plans.pop(key, None)), plan)
+    return plan
+
+
 def request_descriptors(topology: KVTopology, block_ids: BlockIds) -> np.ndarray:
-    """Coalesced ``(addr, len, device)`` rows (uint64, N x 3) for one side's blocks."""
-    _check_group_count(block_ids, len(topology.groups), "local")
-    addrs, lens, devs = [], [], []
-    for group, ids in zip(topology.groups, block_ids, strict=True):
-        arr = _sorted(block_ids_array(ids, group.index, topology.num_blocks, "local"))
-        if arr.size == 0 or not group.layer_names:
+    """Coalesced ``(addr, len, device)`` rows (uint64, N x 3) for one side's blocks.
+
+    Rows follow the request's block order; blocks adjacent in that order and in memory
+    merge (a block pool hands out ascending runs, so the ids are not sorted here).
+    """
+    plan = request_plan(topology)
+    _check_group_count(block_ids, len(plan.cuts), "local")
+    addrs: list[np.ndarray] = []
+    lens: list[PerSlab] = []
+    devs: list[PerSlab] = []
+    for index, (cut, ids) in enumerate(zip(plan.cuts, block_ids, strict=True)):
+        arr = block_ids_array(ids, index, plan.num_blocks, "local")
+        if arr.size == 0 or cut is None:
             continue
-        geometries = [topology.owners[name].geometry for name in group.layer_names]
-        a = _group_addresses(geometries, arr)
-        addrs.append(a)
-        lens.append(_per_slab(geometries, arr.size, "segment_len", a.size))
-        devs.append(_per_slab(geometries, arr.size, "device_id", a.size))
+        addrs.append(cut.addresses(arr))
+        lens.append(cut.per_slab("segment_len", arr.size))
+        devs.append(cut.per_slab("device_id", arr.size))
     if not addrs:
         return np.zeros((0, 3), dtype=np.uint64)
-    addr, length, dev = np.concatenate(addrs), np.concatenate(lens), np.concatenate(devs)
-    starts = _run_starts((addr, length, dev))
-    return _rows(addr[starts], np.add.reduceat(length, starts), dev[starts])
+    sizes = [a.size for a in addrs]
+    addr, length, dev = np.concatenate(addrs), _join(lens, sizes), _join(devs, sizes)
+    starts = _starts(_breaks(addr, length, dev))
+    return _rows(addr[starts], _merged(length, starts, addr.size), _at(dev, starts))
 
 
-def _per_slab(geometries: Sequence[BlockGeometry], blocks: int, attr: str, size: int) -> np.ndarray:
-    """A per-owner value repeated for each of its slabs (constant within a group here)."""
-    values = {getattr(g, attr) for g in geometries}
-    if len(values) == 1:
-        return np.full(size, values.pop(), dtype=np.int64)
-    return np.concatenate(
-        [
-            np.full(blocks * len(g.segment_offsets), getattr(g, attr), dtype=np.int64)
-            for g in geometries
-        ]
-    )
+class TransferPlan:
+    """Paired owners cut per group on both sides, in the same slab order (the local
+    side's), for :func:`transfer_descriptors`. Build it once per peer."""
+
+    def __init__(self, owners: Sequence[PairedOwner]):
+        by_group: dict[int, list[PairedOwner]] = {}
+        for owner in owners:
+            by_group.setdefault(owner.group, []).append(owner)
+        self.cuts: dict[int, tuple[_Cut, _Cut]] = {}
+        for group, paired in by_group.items():
+            local = _group_cut([p.local for p in paired])
+            order = {id(g): i for i, g in enumerate(p.local for p in paired)}
+            remote = [paired[order[id(g)]].remote for g in local.geometries]
+            self.cuts[group] = (local, _Cut(remote, local.block_major))
 
 
 def transfer_descriptors(
-    owners: Sequence[PairedOwner],
+    owners: Sequence[PairedOwner] | TransferPlan,
     local_ids: BlockIds,
     remote_ids: BlockIds,
     local_num_blocks: int,
@@ -151,18 +237,21 @@ def transfer_descriptors(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Matching local and remote rows: row i of one side moves to row i of the other.
 
-    Block lists are paired per group as given (the caller aligns them); pairs are ordered
-    by local block id and a run is merged only where both sides are contiguous, so mixed
-    layouts stay correct.
+    Block lists are paired per group as given (the caller aligns them); consecutive pairs
+    merge only where both sides are contiguous, so mixed layouts stay correct. Pairs keep
+    the given order (a block pool hands out ascending runs; sorting would cost more than
+    the merges it could find).
     """
-    by_group: dict[int, list[PairedOwner]] = {}
-    for owner in owners:
-        by_group.setdefault(owner.group, []).append(owner)
+    plan = owners if isinstance(owners, TransferPlan) else TransferPlan(owners)
     if len(local_ids) != len(remote_ids):
         raise DescriptorError(
             f"local block ids cover {len(local_ids)} group(s), remote {len(remote_ids)}"
         )
-    la, ra, ln, ld, rd = [], [], [], [], []
+    la: list[np.ndarray] = []
+    ra: list[np.ndarray] = []
+    ln: list[PerSlab] = []
+    ld: list[PerSlab] = []
+    rd: list[PerSlab] = []
     for group, (lids, rids) in enumerate(zip(local_ids, remote_ids, strict=True)):
         if len(lids) != len(rids):
             raise DescriptorError(
@@ -170,49 +259,73 @@ def transfer_descriptors(
             )
         larr = block_ids_array(lids, group, local_num_blocks, "local")
         rarr = block_ids_array(rids, group, remote_num_blocks, "remote")
-        paired = by_group.get(group, [])
-        if larr.size == 0 or not paired:
+        cuts = plan.cuts.get(group)
+        if larr.size == 0 or cuts is None:
             continue
-        if larr.size > 1 and not bool((larr[1:] > larr[:-1]).all()):
-            order = np.argsort(larr, kind="stable")
-            larr, rarr = larr[order], rarr[order]
-        if _interleaved([p.local for p in paired]):
-            paired = sorted(paired, key=lambda p: p.local.base)
-            local = _group_addresses([p.local for p in paired], larr)
-            remote = np.stack([slab_addresses(p.remote, rarr) for p in paired], axis=0)
-            segs = len(paired[0].local.segment_offsets)
-            remote = remote.reshape(len(paired), larr.size, segs).transpose(1, 0, 2).ravel()
-        else:
-            local = np.concatenate([slab_addresses(p.local, larr) for p in paired])
-            remote = np.concatenate([slab_addresses(p.remote, rarr) for p in paired])
-        la.append(local)
-        ra.append(remote)
-        ln.append(_per_slab([p.local for p in paired], larr.size, "segment_len", local.size))
-        ld.append(_per_slab([p.local for p in paired], larr.size, "device_id", local.size))
-        rd.append(_per_slab([p.remote for p in paired], larr.size, "device_id", local.size))
+        local, remote = cuts
+        la.append(local.addresses(larr))
+        ra.append(remote.addresses(rarr))
+        ln.append(local.per_slab("segment_len", larr.size))
+        ld.append(local.per_slab("device_id", larr.size))
+        rd.append(remote.per_slab("device_id", larr.size))
     if not la:
         empty = np.zeros((0, 3), dtype=np.uint64)
         return empty, empty.copy()
-    local, remote, length = np.concatenate(la), np.concatenate(ra), np.concatenate(ln)
-    ldev, rdev = np.concatenate(ld), np.concatenate(rd)
-    starts = np.union1d(_run_starts((local, length, ldev)), _run_starts((remote, length, rdev)))
-    merged = np.add.reduceat(length, starts)
+    sizes = [a.size for a in la]
+    local_addr, remote_addr = np.concatenate(la), np.concatenate(ra)
+    length, ldev, rdev = _join(ln, sizes), _join(ld, sizes), _join(rd, sizes)
+    breaks = _breaks(local_addr, length, ldev) | _breaks(remote_addr, length, rdev)
+    starts = _starts(breaks)
+    merged = _merged(length, starts, local_addr.size)
     return (
-        _rows(local[starts], merged, ldev[starts]),
-        _rows(remote[starts], merged, rdev[starts]),
+        _rows(local_addr[starts], merged, _at(ldev, starts)),
+        _rows(remote_addr[starts], merged, _at(rdev, starts)),
     )
 
 
-def _run_starts(side: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
-    """Indices where a new contiguous run starts (gap, or another device)."""
-    addr, length, dev = side
-    if addr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    breaks = (addr[1:] != addr[:-1] + length[:-1]) | (dev[1:] != dev[:-1])
-    return np.concatenate(([0], np.flatnonzero(breaks) + 1))
+def _join(parts: Sequence[PerSlab], sizes: Sequence[int]) -> PerSlab:
+    """Per-slab values of consecutive parts as one value (a scalar if they all agree)."""
+    if all(isinstance(p, int) for p in parts) and len(set(parts)) == 1:
+        return parts[0]
+    return np.concatenate(
+        [
+            p if isinstance(p, np.ndarray) else np.full(n, p, dtype=np.int64)
+            for p, n in zip(parts, sizes, strict=True)
+        ]
+    )
 
 
-def _rows(addr: np.ndarray, length: np.ndarray, dev: np.ndarray) -> np.ndarray:
+def _breaks(addr: np.ndarray, length: PerSlab, dev: PerSlab) -> np.ndarray:
+    """``breaks[i]``: slab ``i + 1`` does not continue slab ``i`` (gap, or another device)."""
+    step = length if isinstance(length, int) else length[:-1]
+    breaks = addr[1:] != addr[:-1] + step
+    if not isinstance(dev, int):
+        breaks |= dev[1:] != dev[:-1]
+    return breaks
+
+
+def _starts(breaks: np.ndarray) -> np.ndarray:
+    """Indices where a run starts."""
+    starts = np.empty(int(np.count_nonzero(breaks)) + 1, dtype=np.int64)
+    starts[0] = 0
+    starts[1:] = np.flatnonzero(breaks) + 1
+    return starts
+
+
+def _merged(length: PerSlab, starts: np.ndarray, size: int) -> PerSlab:
+    """Length of each run."""
+    if starts.size == size:  # nothing merged
+        return length
+    if isinstance(length, int):
+        return np.diff(starts, append=size) * length
+    return np.add.reduceat(length, starts)
+
+
+def _at(values: PerSlab, starts: np.ndarray) -> PerSlab:
+    return values if isinstance(values, int) else values[starts]
+
+
+def _rows(addr: np.ndarray, length: PerSlab, dev: PerSlab) -> np.ndarray:
     rows = np.empty((addr.size, 3), dtype=np.uint64)
     rows[:, 0] = addr
     rows[:, 1] = length

@@ -15,7 +15,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvshare_connector import protocol
-from kvshare_connector.descriptors import BlockIds, PairedOwner, transfer_descriptors
+from kvshare_connector.descriptors import (
+    BlockIds,
+    PairedOwner,
+    TransferPlan,
+    transfer_descriptors,
+)
 from kvshare_connector.log import get_logger
 from kvshare_connector.matching import pair_owners
 from kvshare_connector.side_channel import SideChannelError, SideChannelServer, ask
@@ -206,6 +211,7 @@ class Peer:
     agent: str
     topology: KVTopology
     owners: list[PairedOwner]
+    plan: TransferPlan  # the owners' address math, prepared once for every read
 
 
 @dataclass
@@ -338,7 +344,7 @@ class KVSink:
         if peer is not None:
             self.transport.remove_peer(peer.agent)
         agent = self.transport.add_peer(reply.agent_metadata)
-        peer = Peer(reply.engine_id, agent, remote, owners)
+        peer = Peer(reply.engine_id, agent, remote, owners, TransferPlan(owners))
         self._peers[key] = peer
         logger.info(
             "handshake with %s at %s:%d: %d owners, %d sharers, layout %s -> %s",
@@ -413,7 +419,7 @@ class KVSink:
         if not self._claimed(read):
             return False
         local_rows, remote_rows = transfer_descriptors(
-            peer.owners, local_ids, remote_ids, self.topology.num_blocks, peer.topology.num_blocks
+            peer.plan, local_ids, remote_ids, self.topology.num_blocks, peer.topology.num_blocks
         )
         read.nbytes = int(local_rows[:, 1].sum())
         read.descriptors = len(local_rows)
