@@ -111,6 +111,11 @@ def engine_main(args: argparse.Namespace) -> None:
                 backend="lmcache",
                 lmcache={"remote_url": os.environ["KVSHARE_LMCACHE_URL"], "load_timeout_s": 30},
             )
+            if args.role == "decode":
+                # Loads go by the prompt's tokens (no block ids to point elsewhere): the
+                # negative control skips them instead, through this pass-through subclass.
+                kv_config["kv_connector"] = "LoadSkippingConnector"
+                kv_config["kv_connector_module_path"] = "tests.negative_control"
     overrides = hf_overrides_for(path / "config.json")
     if (
         overrides.get("global_head_dim")
@@ -190,10 +195,13 @@ def engine_main(args: argparse.Namespace) -> None:
         for i in range(STEADY_REPEATS):
             batch = f"steady{i}"
             out[batch] = run(batch, produced[batch]["kv_transfer_params"], MAX_TOKENS)
-        corrupt = []
+        corrupt = []  # negative control: read the wrong blocks, or (LMCache) skip the load
         for params in produced["corrupt"]["kv_transfer_params"]:
             params = dict(params)
-            params["remote_block_ids"] = [list(reversed(ids)) for ids in params["remote_block_ids"]]
+            if cell.get("backend") == "lmcache":
+                params["kvshare_test_skip_load"] = True
+            else:
+                params["remote_block_ids"] = [list(reversed(i)) for i in params["remote_block_ids"]]
             corrupt.append(params)
         out["corrupt"] = run("corrupt", corrupt, MAX_TOKENS)
         (work / "stop").touch()
@@ -239,6 +247,8 @@ def spawn(
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "PYTHONUNBUFFERED": "1",
+        # The repo root: the package, and tests.negative_control for LMCache cells.
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
     }
     # Own process group per engine: kvcached names its IPC segments after it.
     return subprocess.Popen(

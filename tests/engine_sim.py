@@ -25,7 +25,13 @@ RESULT = "ENGINE_RESULT "
 
 
 def build_engine(
-    model: str, layout: str, role: str, port: int, extra: dict[str, Any] | None = None
+    model: str,
+    layout: str,
+    role: str,
+    port: int,
+    extra: dict[str, Any] | None = None,
+    connector: str = "KVShareConnector",
+    module_path: str | None = None,
 ):
     """vLLM scheduler + worker-side connector over a CPU KV stack, as an engine would own."""
     from vllm.config import KVTransferConfig
@@ -40,7 +46,8 @@ def build_engine(
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
     os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
     transfer_config = KVTransferConfig(
-        kv_connector="KVShareConnector",
+        kv_connector=connector,
+        kv_connector_module_path=module_path,
         kv_role=role,
         kv_connector_extra_config=extra or {},
     )
@@ -95,8 +102,18 @@ def make_request(
 class Engine:
     """One engine: step() = schedule, connector hooks, emulated forward, update."""
 
-    def __init__(self, model: str, layout: str, role: str, port: int, extra: dict | None = None):
-        self.stack, self.scheduler, self.worker = build_engine(model, layout, role, port, extra)
+    def __init__(
+        self,
+        model: str,
+        layout: str,
+        role: str,
+        port: int,
+        extra: dict | None = None,
+        **connector: Any,
+    ):
+        self.stack, self.scheduler, self.worker = build_engine(
+            model, layout, role, port, extra, **connector
+        )
         self.topology = self.worker.worker.topology
         self.outputs: dict[str, Any] = {}
         self.written: dict[str, list[list[int]]] = {}  # request -> block ids with pattern

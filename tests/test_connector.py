@@ -281,7 +281,33 @@ def test_pd_through_lmcache_backend(monkeypatch, engines):
         assert decode.loaded == {"d0": [], "d1": []}
         assert all(r["kv_transfer_params"] is None for r in report.values())
 
-        # Negative control: a prompt prefill never stored misses and is computed locally.
+        # Negative control: the same load skipped (reported done, nothing moved) fails the
+        # same check.
+        skipper = engines(
+            "g4tiny",
+            "per_layer",
+            "kv_consumer",
+            free_port(),
+            lmcache_extra(url),
+            connector="LoadSkippingConnector",
+            module_path="tests.negative_control",
+        )
+        # (decode's scheduler turned do_remote_prefill off in the params it was given)
+        again = dict(ready["requests"]["p0"]["kv_transfer_params"], do_remote_prefill=True)
+        skipped = dict(
+            ready["requests"]["p1"]["kv_transfer_params"],
+            do_remote_prefill=True,
+            kvshare_test_skip_load=True,
+        )
+        decode_requests(
+            skipper,
+            {"p0": {"kv_transfer_params": again}, "p1": {"kv_transfer_params": skipped}},
+            300,
+        )
+        assert skipper.loaded["d0"] == []  # the same engine loads what it is not told to skip
+        assert skipper.loaded["d1"], "a skipped LMCache load went unnoticed"
+
+        # A prompt prefill never stored misses and is computed locally.
         params = dict(ready["requests"]["p0"]["kv_transfer_params"], do_remote_prefill=True)
         other = {"p7": {"kv_transfer_params": params}}
         report = decode_requests(decode, other, 333)
