@@ -209,7 +209,7 @@ def request_descriptors(topology: KVTopology, block_ids: BlockIds) -> np.ndarray
     sizes = [a.size for a in addrs]
     addr, length, dev = np.concatenate(addrs), _join(lens, sizes), _join(devs, sizes)
     starts = _starts(_breaks(addr, length, dev))
-    return _rows(addr[starts], _merged(length, starts, addr.size), _at(dev, starts))
+    return _rows(_at(addr, starts), _merged(length, starts, addr.size), _at(dev, starts))
 
 
 class TransferPlan:
@@ -278,8 +278,8 @@ def transfer_descriptors(
     starts = _starts(breaks)
     merged = _merged(length, starts, local_addr.size)
     return (
-        _rows(local_addr[starts], merged, _at(ldev, starts)),
-        _rows(remote_addr[starts], merged, _at(rdev, starts)),
+        _rows(_at(local_addr, starts), merged, _at(ldev, starts)),
+        _rows(_at(remote_addr, starts), merged, _at(rdev, starts)),
     )
 
 
@@ -322,7 +322,10 @@ def _merged(length: PerSlab, starts: np.ndarray, size: int) -> PerSlab:
 
 
 def _at(values: PerSlab, starts: np.ndarray) -> PerSlab:
-    return values if isinstance(values, int) else values[starts]
+    """The values at the runs' starts (all of them when nothing merged)."""
+    if isinstance(values, int) or starts.size == values.size:
+        return values
+    return values[starts]
 
 
 def _rows(addr: np.ndarray, length: PerSlab, dev: PerSlab) -> np.ndarray:

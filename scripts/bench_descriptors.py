@@ -114,7 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--blocks", type=int, default=200_000)
     parser.add_argument("--request", type=int, default=2_000, help="blocks per group")
-    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--repeat", type=int, default=21)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
 
