@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import socket
+import tempfile
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -69,8 +71,19 @@ def model_dir(model: str, root: Path) -> Path:
     target = root / model
     target.mkdir(parents=True, exist_ok=True)
     text = resources.files("kvshare_connector").joinpath("models", f"{model}.json").read_text()
-    (target / "config.json").write_text(text)
+    config = target / "config.json"
+    if not config.exists() or config.read_text() != text:
+        # Atomic: processes that build the same model at once never read half a file.
+        tmp = target / f".config.{os.getpid()}.json"
+        tmp.write_text(text)
+        os.replace(tmp, config)
     return target
+
+
+def _models_root() -> Path:
+    """One directory per user for the packaged configs, reused by every build (a fresh
+    temporary directory per build would leave one behind each time)."""
+    return Path(tempfile.gettempdir()) / f"kvshare-models-{os.getuid()}"
 
 
 def hf_overrides_for(config_path: Path) -> dict[str, Any]:
@@ -119,8 +132,6 @@ def build_cpu_stack(
     max_model_len: int = 2048,
 ) -> CpuKVStack:
     """Build the KV memory of ``model`` in ``layout`` from vLLM's own functions."""
-    import tempfile
-
     import torch
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.models.gemma4 import Gemma4ForCausalLM
@@ -134,7 +145,7 @@ def build_cpu_stack(
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()  # as EngineArgs does: registers KVShareConnector by name
-    root = Path(workdir or tempfile.mkdtemp(prefix="kvshare-models-"))
+    root = Path(workdir) if workdir is not None else _models_root()
     path = model_dir(model, root)
     model_config = ModelConfig(
         model=str(path),
