@@ -122,3 +122,58 @@ def test_block_ids_out_of_range(stack_topology):
         request_descriptors(topology, [[-1]] + [[]] * 5)
     with pytest.raises(DescriptorError, match="cover 2 KV cache group"):
         request_descriptors(topology, [[1], [2]])
+
+
+def _geometry(base: int, stride: int, kv_stride: int, device: int = -1):
+    """A block of K then V (2 x 64 bytes here), ``kv_stride`` bytes apart."""
+    from kvshare_connector.topology import BlockGeometry, Dim
+
+    dims = (Dim("kv", 2, kv_stride), Dim("token", 64, 1))
+    return BlockGeometry(base, stride, dims, 1, 1, device)
+
+
+@pytest.mark.parametrize("block_major", [False, True])
+def test_one_broadcast_per_group_equals_one_owner_at_a_time(block_major):
+    """The fast path (owners cut alike: one broadcast) and the general one (owners cut
+    differently: per owner) name the same slabs in the same order."""
+    from kvshare_connector.descriptors import _Cut, slab_addresses
+
+    ids = np.array([7, 3, 4, 5, 0, 9], dtype=np.int64)
+    alike = [_geometry(1 << 20, 4096, 128), _geometry(2 << 20, 4096, 128)]
+    fast = _Cut(alike, block_major)
+    assert fast.same_cut
+    per_owner = np.stack([slab_addresses(g, ids) for g in alike])  # owner, block x segment
+    expected = (
+        per_owner.reshape(2, ids.size, 2).transpose(1, 0, 2).ravel()
+        if block_major
+        else per_owner.ravel()
+    )
+    assert fast.addresses(ids).tolist() == expected.tolist()
+
+    unlike = [_geometry(1 << 20, 4096, 128, device=0), _geometry(2 << 20, 8192, 256, device=1)]
+    general = _Cut(unlike, block_major)
+    assert not general.same_cut
+    per_owner = np.stack([slab_addresses(g, ids) for g in unlike])
+    expected = (
+        per_owner.reshape(2, ids.size, 2).transpose(1, 0, 2).ravel()
+        if block_major
+        else per_owner.ravel()
+    )
+    assert general.addresses(ids).tolist() == expected.tolist()
+    devices = general.per_slab("device_id", ids.size)
+    assert devices.tolist() == (
+        [0, 0, 1, 1] * ids.size if block_major else [0] * 2 * ids.size + [1] * 2 * ids.size
+    )
+
+
+def test_rows_keep_request_order_and_merge_only_true_neighbours(stack_topology):
+    """Ids are not sorted: a descending run stays one row per block, an ascending one
+    merges; either way the rows cover exactly the request's slabs."""
+    _, topology = stack_topology("g4uniform", "per_layer")
+    owners = len(topology.owners)
+    ascending = request_descriptors(topology, [[4, 5, 6, 7]])
+    descending = request_descriptors(topology, [[7, 6, 5, 4]])
+    assert len(ascending) == owners
+    assert len(descending) == 4 * owners
+    assert ascending[:, 1].sum() == descending[:, 1].sum()
+    assert descending[:, 0].min() == ascending[:, 0].min()
