@@ -125,12 +125,6 @@ class Engine:
         engines (whose event-loop threads would otherwise keep the process alive) go."""
         self.worker.shutdown()
 
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def add(self, request_id: str, tokens: int, max_tokens: int, params: dict | None, seed: int):
         self.scheduler.add_request(
             make_request(request_id, tokens, max_tokens, params, seed, self.scheduler.block_hasher)
