@@ -4,7 +4,9 @@ without kvcached, measured in one run, reported as ratios.
 
 First batch = 4 prompts (40..900 tokens) right after startup, handshake and first READ
 included; steady batch = the same shape later (median and range of 3). Cells run one at a
-time so they do not disturb each other's timings.
+time so they do not disturb each other's timings. Colocated engines (prefill and decode in
+one, no connector) under each kvcached mode time what kvcached costs by itself: the PD
+ratios are read against theirs.
 
     python scripts/bench_pd_gpu.py --out OUT        # needs a CUDA GPU with vLLM 0.26
     python scripts/bench_pd_gpu.py --report OUT     # tables from an earlier run
@@ -31,22 +33,46 @@ BENCH_CELLS = [
 ]
 
 
+# Colocated engines (no PD) under each kvcached mode: what kvcached costs an engine by
+# itself, to set against what it costs our PD decode.
+COLOCATED = {"plain": None, "kvcached-per-layer": "per_layer", "kvcached-contiguous": "contiguous"}
+
+
+def _batch_times(batches: dict) -> dict[str, float]:
+    if "main" not in batches:
+        return {"failed": 1.0}
+    steady = [batches[k]["seconds"] for k in batches if k.startswith("steady")]
+    return {
+        "first": batches["main"]["seconds"],
+        "steady": statistics.median(steady),
+        "steady_min": min(steady),
+        "steady_max": max(steady),
+    }
+
+
 def timings(out: Path) -> dict[str, dict[str, float]]:
     result = {}
     for path in out.glob("*/cell.json"):
         cell = json.loads(path.read_text())
-        decode = cell.get("decode") or {}
-        if "main" not in decode:
-            result[cell["cell"]] = {"failed": 1.0}
-            continue
-        steady = [decode[k]["seconds"] for k in decode if k.startswith("steady")]
-        result[cell["cell"]] = {
-            "first": decode["main"]["seconds"],
-            "steady": statistics.median(steady),
-            "steady_min": min(steady),
-            "steady_max": max(steady),
-        }
+        result[cell["cell"]] = _batch_times(cell.get("decode") or {})
+    for path in out.glob("colocated__*/baseline.json"):
+        result["colocated:g4tiny/" + path.parent.name.rsplit("__", 1)[1]] = _batch_times(
+            json.loads(path.read_text())
+        )
     return result
+
+
+def run_colocated(out: Path, mem: float, timeout_s: float) -> None:
+    for name, mode in COLOCATED.items():
+        work = out / f"colocated__g4tiny__{name}"
+        work.mkdir(parents=True, exist_ok=True)
+        env = e2e.cell_env({"kvcached": mode})
+        proc = e2e.spawn("baseline", work, work / "baseline.log", env, None, "g4tiny", 0, mem)
+        rc = e2e.wait(proc, timeout_s)
+        result_path = work / "baseline.result.json"
+        result = json.loads(result_path.read_text()) if result_path.exists() else {}
+        (work / "baseline.json").write_text(json.dumps({"rc": rc, **result}))
+        print("done: colocated", name, "rc", rc, flush=True)
 
 
 def ratio(t: dict, a: str, b: str, key: str) -> str:
@@ -58,7 +84,7 @@ def ratio(t: dict, a: str, b: str, key: str) -> str:
 def report(out: Path) -> str:
     t = timings(out)
     lines = ["| cell | first batch s | steady batch s median [min-max] |", "|---|---|---|"]
-    for name in BENCH_CELLS:
+    for name in BENCH_CELLS + [f"colocated:g4tiny/{c}" for c in COLOCATED]:
         c = t.get(name)
         if c is None:
             continue
@@ -78,12 +104,24 @@ def report(out: Path) -> str:
             "<= 1.2",
         ),
         (
+            "colocated kvcached contiguous / colocated plain (kvcached's own cost)",
+            "colocated:g4tiny/kvcached-contiguous",
+            "colocated:g4tiny/plain",
+            "-",
+        ),
+        (
             "ours kvcached per-layer / ours plain",
             "g4tiny/kvcached-per-layer",
             "g4tiny/plain",
             "<= 1.2",
         ),
         ("ours plain / NixlConnector plain", "g4tiny/plain", "nixl:g4tiny/plain", "<= 1.0"),
+        (
+            "colocated kvcached per-layer / colocated plain",
+            "colocated:g4tiny/kvcached-per-layer",
+            "colocated:g4tiny/plain",
+            "-",
+        ),
         (
             "NixlConnector kvcached per-layer / NixlConnector plain",
             "nixl:g4tiny/kvcached-per-layer",
@@ -109,6 +147,9 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--report")
     parser.add_argument("--cells", nargs="*", default=BENCH_CELLS)
+    parser.add_argument(
+        "--no-colocated", action="store_true", help="skip the colocated engines under kvcached"
+    )
     args = parser.parse_args()
     if args.report:
         print(report(Path(args.report)))
@@ -119,6 +160,8 @@ def main() -> None:
             out=str(out), cells=args.cells, parallel=1, mem=0.08, timeout=300, no_baseline=True
         )
     )
+    if not args.no_colocated:
+        run_colocated(out, 0.08, 300)
     print(report(out))
 
 

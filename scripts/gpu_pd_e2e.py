@@ -172,8 +172,8 @@ def engine_main(args: argparse.Namespace) -> None:
             "kv_transfer_params": [r.kv_transfer_params for r in results],
         }
 
-    if args.role == "baseline":
-        for batch in ("main", "corrupt"):
+    if args.role == "baseline":  # every batch: the steady ones time a colocated engine
+        for batch in batches:
             out[batch] = run(batch, None, MAX_TOKENS)
     elif args.role == "prefill":
         produced = {}
