@@ -43,7 +43,8 @@ def block_ids_array(ids: Sequence[int], group: int, num_blocks: int, side: str) 
         arr = np.fromiter(ids, dtype=np.int64, count=len(ids))
     if arr.ndim != 1:
         raise DescriptorError(f"{side} block ids of group {group} must be a flat list")
-    if arr.size and (arr.min() < 0 or arr.max() >= num_blocks):
+    # One pass: as unsigned, a negative id is huge, so it fails the upper bound too.
+    if arr.size and int(arr.view(np.uint64).max()) >= num_blocks:
         bad = arr[(arr < 0) | (arr >= num_blocks)]
         raise DescriptorError(
             f"{side} block id {int(bad[0])} of group {group} is out of range "
