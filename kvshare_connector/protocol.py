@@ -222,7 +222,18 @@ class ClaimReply(msgspec.Struct, tag="claimed", forbid_unknown_fields=True):
     # any other id asked for: not held yet (the prefill scheduler has not handed it over)
 
 
-SideMessage = Hello | HandshakeReply | ErrorReply | Claim | ClaimReply
+class Release(msgspec.Struct, tag="release", forbid_unknown_fields=True):
+    """Decode gives up on requests before it could add prefill as a NIXL peer (their
+    layouts differ), so a NIXL notification cannot reach prefill: free their blocks now
+    instead of at the end of the lease. Answered with a ``ClaimReply`` (all ``gone``)."""
+
+    protocol_version: int
+    engine_id: str
+    request_ids: list[str]
+    reason: str
+
+
+SideMessage = Hello | HandshakeReply | ErrorReply | Claim | ClaimReply | Release
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(SideMessage)
 
@@ -231,7 +242,7 @@ def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
-def decode(data: bytes) -> Hello | HandshakeReply | ErrorReply | Claim | ClaimReply:
+def decode(data: bytes) -> SideMessage:
     """Strict decode of a side-channel message; ``ProtocolError`` names what is wrong."""
     try:
         return _decoder.decode(data)

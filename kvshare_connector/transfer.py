@@ -22,7 +22,7 @@ from kvshare_connector.descriptors import (
     transfer_descriptors,
 )
 from kvshare_connector.log import get_logger
-from kvshare_connector.matching import pair_owners
+from kvshare_connector.matching import LayoutMismatch, pair_owners
 from kvshare_connector.side_channel import SideChannelError, SideChannelServer, ask
 from kvshare_connector.topology import KVTopology
 from kvshare_connector.transport.nixl import NixlTransport, TransportError
@@ -116,9 +116,11 @@ class KVSource:
         except protocol.ProtocolError as exc:
             logger.warning("side channel: %s", exc)
             return protocol.encode(protocol.ErrorReply(str(exc)))
-        if not isinstance(message, protocol.Hello | protocol.Claim):
+        if not isinstance(message, protocol.Hello | protocol.Claim | protocol.Release):
             return protocol.encode(
-                protocol.ErrorReply(f"expected hello or claim, got {type(message).__name__}")
+                protocol.ErrorReply(
+                    f"expected hello, claim or release, got {type(message).__name__}"
+                )
             )
         if message.protocol_version != protocol.PROTOCOL_VERSION:
             return protocol.encode(
@@ -129,6 +131,8 @@ class KVSource:
             )
         if isinstance(message, protocol.Claim):
             return protocol.encode(self._claim(message))
+        if isinstance(message, protocol.Release):
+            return protocol.encode(self._give_up(message))
         if message.expect_engine_id not in (None, self.engine_id):
             return protocol.encode(
                 protocol.ErrorReply(
@@ -151,6 +155,24 @@ class KVSource:
                 elif request_id in self._released or request_id in self._read_before_hold:
                     gone.append(request_id)
         return protocol.ClaimReply(held, gone)
+
+    def _give_up(self, release: protocol.Release) -> protocol.ClaimReply:
+        """Decode will never read these: free them on the next poll (or at once when the
+        scheduler hands them over later), as an abort notification would."""
+        now = time.monotonic()
+        with self._lock:
+            for request_id in release.request_ids:
+                logger.warning(
+                    "decode engine %s gave up on request %s: %s; freeing its blocks",
+                    release.engine_id,
+                    request_id,
+                    release.reason,
+                )
+                if self._held.pop(request_id, None) is not None:
+                    self._read_before_hold.add(request_id)
+                elif request_id not in self._released:
+                    self._early[request_id] = now + self.lease_s
+        return protocol.ClaimReply([], list(release.request_ids))
 
     def hold(self, request_id: str, lease_s: float | None = None) -> None:
         """Keep a finished prefill's blocks until decode reads them or the lease ends."""
@@ -398,7 +420,7 @@ class KVSink:
                     )
             except Exception as exc:  # every failure ends this request only
                 failed[read.request_id] = f"{type(exc).__name__}: {exc}"
-                self._abandon(read)
+                self._abandon(read, exc)
         for request_id in done | set(failed):
             self._reads.pop(request_id, None)
         return done, failed
@@ -441,15 +463,33 @@ class KVSink:
             )
         )
 
-    def _abandon(self, read: _Read) -> None:
+    def _abandon(self, read: _Read, error: Exception) -> None:
         """Release what we hold and tell prefill (if reachable) to free its blocks."""
         if read.handle is not None:
             self.transport.release(read.handle)
-        peer = self._peers.get((read.params.remote_host, read.params.remote_port))
-        if peer is not None:
+        p = read.params
+        peer = self._peers.get((p.remote_host, p.remote_port))
+        if peer is not None and peer.engine_id == p.remote_engine_id:
             self.transport.notify(
-                peer.agent,
-                protocol.notification(protocol.NOTIF_ABORT, read.params.remote_request_id),
+                peer.agent, protocol.notification(protocol.NOTIF_ABORT, p.remote_request_id)
+            )
+        elif isinstance(error, LayoutMismatch):  # prefill answers, but is no NIXL peer
+            reason = "KV layouts do not match: " + "; ".join(error.differences[:3])
+            self._executor.submit(self._ask_release, p, reason)
+
+    def _ask_release(self, p: protocol.RemotePrefillParams, reason: str) -> None:
+        """Best effort: prefill's lease frees the blocks anyway if this does not arrive."""
+        release = protocol.Release(
+            protocol.PROTOCOL_VERSION, self.engine_id, [p.remote_request_id], reason
+        )
+        try:
+            ask(p.remote_host, p.remote_port, protocol.encode(release), self.handshake_timeout_s)
+        except SideChannelError as exc:
+            logger.warning(
+                "could not ask prefill %s to free request %s: %s",
+                p.remote_engine_id,
+                p.remote_request_id,
+                exc,
             )
 
     def close(self) -> None:

@@ -38,9 +38,9 @@ DECODE_KV_MIB = {"g4tiny": 16, "g4uniform": 16, E2B: 48}
 
 PEER_SOURCES = [
     # g4tiny: 10 layers, 4 sharers, 6 KV cache groups (5 sliding head 64, 1 full head 128).
-    {"name": "tiny", "model": "g4tiny", "layout": "per_layer", "requests": 8, "seed": 100},
+    {"name": "tiny", "model": "g4tiny", "layout": "per_layer", "requests": 9, "seed": 100},
     # g4uniform: one group of 6 full-attention owners: vLLM's cross-layer blocks tensor.
-    {"name": "uniform_cl", "model": "g4uniform", "layout": "cross_layer", "requests": 2,
+    {"name": "uniform_cl", "model": "g4uniform", "layout": "cross_layer", "requests": 3,
      "seed": 200},
     {"name": "uniform_pl", "model": "g4uniform", "layout": "per_layer", "requests": 1,
      "seed": 300},
@@ -345,7 +345,7 @@ def test_layout_mismatch_fails_and_says_what_differs(
     peers, decoders, source, model, layout, expected
 ):
     decoder = decoders(model, layout)
-    request = peers.main.request(source, 0)
+    request = peers.main.request(source, {"tiny": 8, "uniform_cl": 2}[source])  # own request
     local_ids = request_block_ids(decoder.topology, TOKENS, seed=1)
     decoder.zero()
     request_id = new_id("mismatch")
@@ -360,6 +360,11 @@ def test_layout_mismatch_fails_and_says_what_differs(
         assert line in failure, failure
     assert decoder.untouched()  # not a byte moved
     assert request_id not in decoder.sink.in_flight
+    # Decode is no NIXL peer of prefill, so it says so on the side channel: prefill frees
+    # the blocks now, not when the lease (300 s here) ends.
+    released = peers.main.released_event(source, request["request_id"])
+    assert request["request_id"] in released["read"]
+    assert request["request_id"] not in released["held"]
 
 
 # ---- the side channel under garbage ---------------------------------------------------
@@ -386,7 +391,9 @@ def test_prefill_side_channel_answers_garbage_with_errors_and_keeps_serving(peer
         np.random.default_rng(0).bytes(64 << 10): "malformed side-channel message",
         hello[:-3]: "malformed side-channel message",  # truncated
         hello[:1]: "malformed side-channel message",
-        protocol.encode(protocol.ErrorReply("hi")): "expected hello or claim, got ErrorReply",
+        protocol.encode(protocol.ErrorReply("hi")): (
+            "expected hello, claim or release, got ErrorReply"
+        ),
         protocol.encode(protocol.Hello(99, "tester")): "protocol version 99 not supported",
         protocol.encode(protocol.Hello(protocol.PROTOCOL_VERSION, "t", "someone-else")): (
             "not 'someone-else'"
