@@ -9,9 +9,13 @@ views, so comparing the two checks the stored format itself.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,6 +37,33 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_lm_server() -> Iterator[str]:
+    """LMCache's own ``lm://`` server on 127.0.0.1 in a child process: its URL, once it
+    accepts connections; stopped on exit."""
+    from kvshare_connector.child_process import Child
+
+    port = free_port()
+    server = Child(
+        ["-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
+        env=QUIET_ENV,
+        cwd=str(Path(__file__).resolve().parents[1]),
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if server.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("lm server did not start:\n" + "".join(server.log)) from None
+                time.sleep(0.2)
+        yield f"lm://127.0.0.1:{port}"
+    finally:
+        server.kill()
 
 
 def build(model: str, layout: str, kv_mib: int = 32) -> tuple[Any, KVTopology, Any]:

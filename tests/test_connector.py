@@ -231,90 +231,76 @@ def test_pd_through_lmcache_backend(monkeypatch, engines):
     """Prefill stores owner layers' KV in LMCache (an lm:// server) in the step that computes
     it and holds no blocks; decode loads it into its own blocks through vLLM's scheduler."""
     pytest.importorskip("lmcache")
-    import socket as _socket
-    import time as _time
-
     from .engine_sim import lmcache_extra
+    from .lmcache_util import QUIET_ENV, running_lm_server
 
-    quiet = {"LMCACHE_LOG_LEVEL": "WARNING", "LMCACHE_TRACK_USAGE": "false"}
     monkeypatch.setenv("PYTHONHASHSEED", "0")  # both sides: LMCache's hash chain seed
-    for key, value in quiet.items():
+    for key, value in QUIET_ENV.items():
         monkeypatch.setenv(key, value)
-    port = free_port()
-    server = Child(["-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"], cwd=ROOT)
-    url = f"lm://127.0.0.1:{port}"
-    child = None
-    try:
-        deadline = _time.monotonic() + 60
-        while True:
-            try:
-                _socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                assert _time.monotonic() < deadline, "lm:// server did not start"
-                _time.sleep(0.2)
-        child = Child(
-            [
-                "-m",
-                "tests.engine_sim",
-                "prefill",
-                "--port",
-                str(free_port()),
-                "--tokens",
-                "300",
-                "--requests",
-                "2",
-                "--lmcache-url",
-                url,
-            ],
-            cwd=ROOT,
-        )
-        ready = child.wait_json(READY, 180)
-        for info in ready["requests"].values():
-            assert info["kv_transfer_params"]["kvshare_backend"] == "lmcache"
-        result = child.wait_json(RESULT, 60)
-        assert result["free_blocks"] == result["total_blocks"]  # prefill held nothing
-        assert sum(s["sent"] for s in result["stats"]) == 2  # two stores
+    with running_lm_server() as url:
+        child = None
+        try:
+            child = Child(
+                [
+                    "-m",
+                    "tests.engine_sim",
+                    "prefill",
+                    "--port",
+                    str(free_port()),
+                    "--tokens",
+                    "300",
+                    "--requests",
+                    "2",
+                    "--lmcache-url",
+                    url,
+                ],
+                cwd=ROOT,
+            )
+            ready = child.wait_json(READY, 180)
+            for info in ready["requests"].values():
+                assert info["kv_transfer_params"]["kvshare_backend"] == "lmcache"
+            result = child.wait_json(RESULT, 60)
+            assert result["free_blocks"] == result["total_blocks"]  # prefill held nothing
+            assert sum(s["sent"] for s in result["stats"]) == 2  # two stores
 
-        decode = engines("g4tiny", "per_layer", "kv_consumer", free_port(), lmcache_extra(url))
-        report = decode_requests(decode, ready["requests"], 300)
-        assert decode.loaded == {"d0": [], "d1": []}
-        assert all(r["kv_transfer_params"] is None for r in report.values())
+            decode = engines("g4tiny", "per_layer", "kv_consumer", free_port(), lmcache_extra(url))
+            report = decode_requests(decode, ready["requests"], 300)
+            assert decode.loaded == {"d0": [], "d1": []}
+            assert all(r["kv_transfer_params"] is None for r in report.values())
 
-        # Negative control: the same load skipped (reported done, nothing moved) fails the
-        # same check.
-        skipper = engines(
-            "g4tiny",
-            "per_layer",
-            "kv_consumer",
-            free_port(),
-            lmcache_extra(url),
-            connector="LoadSkippingConnector",
-            module_path="tests.negative_control",
-        )
-        # (decode's scheduler turned do_remote_prefill off in the params it was given)
-        again = dict(ready["requests"]["p0"]["kv_transfer_params"], do_remote_prefill=True)
-        skipped = dict(
-            ready["requests"]["p1"]["kv_transfer_params"],
-            do_remote_prefill=True,
-            kvshare_test_skip_load=True,
-        )
-        decode_requests(
-            skipper,
-            {"p0": {"kv_transfer_params": again}, "p1": {"kv_transfer_params": skipped}},
-            300,
-        )
-        assert skipper.loaded["d0"] == []  # the same engine loads what it is not told to skip
-        assert skipper.loaded["d1"], "a skipped LMCache load went unnoticed"
+            # Negative control: the same load skipped (reported done, nothing moved) fails the
+            # same check.
+            skipper = engines(
+                "g4tiny",
+                "per_layer",
+                "kv_consumer",
+                free_port(),
+                lmcache_extra(url),
+                connector="LoadSkippingConnector",
+                module_path="tests.negative_control",
+            )
+            # (decode's scheduler turned do_remote_prefill off in the params it was given)
+            again = dict(ready["requests"]["p0"]["kv_transfer_params"], do_remote_prefill=True)
+            skipped = dict(
+                ready["requests"]["p1"]["kv_transfer_params"],
+                do_remote_prefill=True,
+                kvshare_test_skip_load=True,
+            )
+            decode_requests(
+                skipper,
+                {"p0": {"kv_transfer_params": again}, "p1": {"kv_transfer_params": skipped}},
+                300,
+            )
+            assert skipper.loaded["d0"] == []  # the same engine loads what it is not told to skip
+            assert skipper.loaded["d1"], "a skipped LMCache load went unnoticed"
 
-        # A prompt prefill never stored misses and is computed locally.
-        params = dict(ready["requests"]["p0"]["kv_transfer_params"], do_remote_prefill=True)
-        other = {"p7": {"kv_transfer_params": params}}
-        report = decode_requests(decode, other, 333)
-        assert "kv_load_error" in (report["d7"]["kv_transfer_params"] or {})
-        pool = decode.scheduler.kv_cache_manager.block_pool
-        assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
-    finally:
-        if child is not None:
-            child.kill()
-        server.kill()
+            # A prompt prefill never stored misses and is computed locally.
+            params = dict(ready["requests"]["p0"]["kv_transfer_params"], do_remote_prefill=True)
+            other = {"p7": {"kv_transfer_params": params}}
+            report = decode_requests(decode, other, 333)
+            assert "kv_load_error" in (report["d7"]["kv_transfer_params"] or {})
+            pool = decode.scheduler.kv_cache_manager.block_pool
+            assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+        finally:
+            if child is not None:
+                child.kill()

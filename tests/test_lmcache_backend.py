@@ -9,8 +9,6 @@ layouts and block ids; KV goes prefill blocks -> LMCache (an ``lm://`` server on
 from __future__ import annotations
 
 import os
-import socket
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +24,7 @@ from .lmcache_util import (
     held,
     prompt,
     quiet_lmcache,
+    running_lm_server,
     token_bytes,
     window_first_block,
 )
@@ -66,23 +65,8 @@ def hash_seed():
 @pytest.fixture(scope="module")
 def lm_server():
     """LMCache's own ``lm://`` server on 127.0.0.1, stopped when the module ends."""
-    port = free_port()
-    server = Child(
-        ["-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"], env=QUIET_ENV, cwd=REPO
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if server.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("lm server did not start:\n" + "".join(server.log)) from None
-                time.sleep(0.2)
-        yield f"lm://127.0.0.1:{port}"
-    finally:
-        server.kill()
+    with running_lm_server() as url:
+        yield url
 
 
 @pytest.fixture(scope="module", autouse=True)
