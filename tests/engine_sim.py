@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from kvshare_connector import kvcheck
+from kvshare_connector.demo import blocks_per_group
 
 READY = "ENGINE_READY "
 RESULT = "ENGINE_RESULT "
@@ -188,11 +189,9 @@ class Engine:
         request = self.scheduler.requests[req_id]
         ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
         blocks, firsts = [], []
-        for group, group_ids in zip(self.topology.groups, ids, strict=True):
+        kept = blocks_per_group(self.topology, request.num_prompt_tokens)  # window-clipped
+        for group, group_ids, keep in zip(self.topology.groups, ids, kept, strict=True):
             n = math.ceil(request.num_prompt_tokens / group.spec.block_size)
-            keep = n
-            if group.spec.sliding_window:
-                keep = min(n, math.ceil(group.spec.sliding_window / group.spec.block_size) + 1)
             blocks.append([b for b in list(group_ids)[n - keep : n]])
             firsts.append(n - keep)
         # The prefill request that made this KV had the same index: "d3" <- "p3".
