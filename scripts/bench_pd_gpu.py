@@ -38,16 +38,33 @@ BENCH_CELLS = [
 COLOCATED = {"plain": None, "kvcached-per-layer": "per_layer", "kvcached-contiguous": "contiguous"}
 
 
+def read_busy_s(batch: dict) -> float | None:
+    """Seconds the decode spent in READs during a batch, from the connector's stats (our
+    connector's only: bytes read over throughput)."""
+    busy = 0.0
+    for record in batch.get("transfer_metrics") or []:
+        if "GB/s" not in record or float(record["GB/s"]) == 0:
+            return None
+        busy += float(record["MB read"]) * 1e6 / (float(record["GB/s"]) * 1e9)
+    return busy if batch.get("transfer_metrics") else None
+
+
 def _batch_times(batches: dict) -> dict[str, float]:
     if "main" not in batches:
         return {"failed": 1.0}
-    steady = [batches[k]["seconds"] for k in batches if k.startswith("steady")]
-    return {
+    steady_batches = [batches[k] for k in batches if k.startswith("steady")]
+    steady = [b["seconds"] for b in steady_batches]
+    times = {
         "first": batches["main"]["seconds"],
         "steady": statistics.median(steady),
         "steady_min": min(steady),
         "steady_max": max(steady),
     }
+    reads = [read_busy_s(b) for b in [batches["main"], *steady_batches]]
+    if all(r is not None for r in reads):
+        times["first_read"] = reads[0]
+        times["steady_read"] = statistics.median(reads[1:])
+    return times
 
 
 def timings(out: Path) -> dict[str, dict[str, float]]:
@@ -83,17 +100,21 @@ def ratio(t: dict, a: str, b: str, key: str) -> str:
 
 def report(out: Path) -> str:
     t = timings(out)
-    lines = ["| cell | first batch s | steady batch s median [min-max] |", "|---|---|---|"]
+    lines = [
+        "| cell | first batch s | steady batch s median [min-max] | READ s in first / steady |",
+        "|---|---|---|---|",
+    ]
     for name in BENCH_CELLS + [f"colocated:g4tiny/{c}" for c in COLOCATED]:
         c = t.get(name)
         if c is None:
             continue
         if "failed" in c:
-            lines.append(f"| {name} | failed | failed |")
+            lines.append(f"| {name} | failed | failed | - |")
             continue
+        reads = f"{c['first_read']:.4f} / {c['steady_read']:.4f}" if "first_read" in c else "-"
         lines.append(
             f"| {name} | {c['first']:.3f} | {c['steady']:.3f} "
-            f"[{c['steady_min']:.3f}-{c['steady_max']:.3f}] |"
+            f"[{c['steady_min']:.3f}-{c['steady_max']:.3f}] | {reads} |"
         )
     lines += ["", "| ratio | first batch | steady batch | target |", "|---|---|---|---|"]
     pairs = [

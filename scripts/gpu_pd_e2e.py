@@ -87,6 +87,38 @@ def prompts(batch: str) -> list[list[int]]:
 # ---- one engine per process -----------------------------------------------------------------
 
 
+class TransferMetrics:
+    """The connector's stats as vLLM reports them ("KV Transfer metrics"), one record per
+    batch: the decode-side READ time, to set against the batch's wall time."""
+
+    def __init__(self) -> None:
+        import logging
+
+        self.records: list[str] = []
+        records = self.records
+
+        class Collect(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                records.append(record.getMessage())
+
+        # vLLM's stat logger writes them at debug level once the engine is idle.
+        stat_logger = logging.getLogger("vllm.v1.metrics.loggers")
+        stat_logger.setLevel(logging.DEBUG)
+        stat_logger.addHandler(Collect(logging.DEBUG))
+
+    def take(self, llm: Any) -> list[dict[str, str]]:
+        """What vLLM logged since the last call (flushing what it still holds), as one
+        key: value dict per log record; one record unless a periodic log fell in between."""
+        llm.llm_engine.do_log_stats()
+        taken = []
+        for message in self.records:
+            if message.startswith("KV Transfer metrics: "):
+                parts = message.removeprefix("KV Transfer metrics: ").split(", ")
+                taken.append(dict(part.partition("=")[::2] for part in parts))
+        self.records.clear()
+        return taken
+
+
 def engine_main(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -139,6 +171,8 @@ def engine_main(args: argparse.Namespace) -> None:
         seed=0,
         hf_overrides=overrides,
         kv_transfer_config=kv_config,
+        # Decode: the connector's stats reach us through vLLM's stat loggers (TransferMetrics).
+        disable_log_stats=args.role != "decode",
         # Mixed head sizes make vLLM pick FA4 (CuTe DSL, not in this stack): use Triton.
         attention_backend="TRITON_ATTN" if overrides else None,
     )
@@ -148,6 +182,7 @@ def engine_main(args: argparse.Namespace) -> None:
     greedy = {"temperature": 0.0, "logprobs": 1, "detokenize": False, "ignore_eos": True}
     batches = ["main", "corrupt"] + [f"steady{i}" for i in range(STEADY_REPEATS)]
     out: dict[str, Any] = {"startup_s": startup, "pid": os.getpid()}
+    metrics = TransferMetrics() if args.role == "decode" else None
 
     def run(batch: str, params: list[dict] | None, max_tokens: int) -> dict[str, Any]:
         sampling = []
@@ -161,6 +196,7 @@ def engine_main(args: argparse.Namespace) -> None:
         seconds = time.perf_counter() - t0
         return {
             "seconds": seconds,
+            "transfer_metrics": metrics.take(llm) if metrics else [],
             "tokens": [list(r.outputs[0].token_ids) for r in results],
             "logprobs": [
                 [
@@ -247,6 +283,8 @@ def spawn(
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "PYTHONUNBUFFERED": "1",
+        # Stats are flushed once per batch (TransferMetrics), not on a timer in between.
+        "VLLM_LOG_STATS_INTERVAL": "3600",
         # The repo root: the package, and tests.negative_control for LMCache cells.
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
     }
