@@ -9,6 +9,8 @@ Options in ``kv_connector_extra_config``:
   waits on decode before a request is computed locally instead.
 * ``cross_layer_blocks`` (default true, false when kvcached is enabled): ask vLLM for the
   cross-layer blocks layout where it can (single KV cache group).
+* ``read_log`` (a path, default none): decode appends one JSON line per finished read
+  (request, bytes, blocks, descriptors, seconds), to set READ time against request latency.
 * ``backend`` (``"nixl"``, default, or ``"lmcache"``) and ``lmcache`` (its options, see
   docs/lmcache.md): move KV through LMCache instead of direct NIXL reads.
 """
@@ -94,6 +96,7 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
                 float(extra.get("handshake_timeout_s", 10)),
                 float(extra.get("transfer_timeout_s", 60)),
                 lmcache_config,
+                extra.get("read_log"),
             )
 
     @property

@@ -8,6 +8,8 @@ advances them; failures end one request, never the engine.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -20,7 +22,7 @@ from kvshare_connector.log import get_logger
 from kvshare_connector.scheduler import KVShareMetadata
 from kvshare_connector.stats import KVShareStats
 from kvshare_connector.topology import KVTopology
-from kvshare_connector.transfer import KVSink, KVSource
+from kvshare_connector.transfer import KVSink, KVSource, TransferRecord
 from kvshare_connector.transport.nixl import NixlTransport
 
 logger = get_logger(__name__)
@@ -40,6 +42,12 @@ class KVShareWorkerMeta(KVConnectorWorkerMetadata):
         return self
 
 
+def _append_read_log(path: str, records: list[TransferRecord]) -> None:
+    with open(path, "a") as log:
+        for record in records:
+            log.write(json.dumps({"time": time.time(), **dataclasses.asdict(record)}) + "\n")
+
+
 class KVShareWorker:
     def __init__(
         self,
@@ -53,8 +61,10 @@ class KVShareWorker:
         handshake_timeout_s: float,
         transfer_timeout_s: float,
         lmcache_config: Any = None,
+        read_log: str | None = None,
     ):
         self.vllm_config = vllm_config
+        self.read_log = read_log  # path: one JSON line per finished read (decode)
         self.lmcache_config = lmcache_config  # set: the LMCache backend instead of NIXL
         self.lmcache: Any = None
         self.kv_cache_config = kv_cache_config
@@ -222,6 +232,8 @@ class KVShareWorker:
                 self.stats.record_read(
                     record.bytes, record.blocks, record.descriptors, record.seconds
                 )
+            if self.read_log and self.sink.records:
+                _append_read_log(self.read_log, self.sink.records)
             self.sink.records.clear()
         recving |= set(self._failed)  # vLLM needs failed loads reported as finished too
         for request_id in recving:

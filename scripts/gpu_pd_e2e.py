@@ -32,7 +32,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_LENS = (40, 257, 611, 900)
 MAX_TOKENS = 24
-STEADY_REPEATS = 3
+STEADY_REPEATS = 8
 
 # name: (model, connector, kvcached mode, runner, layout preference)
 CELLS: dict[str, dict[str, Any]] = {
@@ -45,6 +45,24 @@ CELLS: dict[str, dict[str, Any]] = {
     "g4tiny/v2-runner": {"model": "g4tiny", "runner": "v2"},
     "lmcache:g4tiny/plain": {"model": "g4tiny", "backend": "lmcache"},
     "lmcache:g4uniform/cross-layer": {"model": "g4uniform", "backend": "lmcache"},
+    # LMCache's own connector on the same models, through the same lm:// server: does it
+    # load at all with sharing layers / HMA / kvcached? (its log's "LMCache hit tokens")
+    "lmcache-native:g4tiny/plain": {
+        "model": "g4tiny",
+        "connector": "LMCacheConnectorV1",
+        "backend": "lmcache",
+    },
+    "lmcache-native:g4uniform/plain": {
+        "model": "g4uniform",
+        "connector": "LMCacheConnectorV1",
+        "backend": "lmcache",
+    },
+    "lmcache-native:g4tiny/kvcached-per-layer": {
+        "model": "g4tiny",
+        "connector": "LMCacheConnectorV1",
+        "backend": "lmcache",
+        "kvcached": "per_layer",
+    },
     "nixl:g4tiny/plain": {"model": "g4tiny", "connector": "NixlConnector"},
     "nixl:g4tiny/kvcached-per-layer": {
         "model": "g4tiny",
@@ -87,38 +105,6 @@ def prompts(batch: str) -> list[list[int]]:
 # ---- one engine per process -----------------------------------------------------------------
 
 
-class TransferMetrics:
-    """The connector's stats as vLLM reports them ("KV Transfer metrics"), one record per
-    batch: the decode-side READ time, to set against the batch's wall time."""
-
-    def __init__(self) -> None:
-        import logging
-
-        self.records: list[str] = []
-        records = self.records
-
-        class Collect(logging.Handler):
-            def emit(self, record: logging.LogRecord) -> None:
-                records.append(record.getMessage())
-
-        # vLLM's stat logger writes them at debug level once the engine is idle.
-        stat_logger = logging.getLogger("vllm.v1.metrics.loggers")
-        stat_logger.setLevel(logging.DEBUG)
-        stat_logger.addHandler(Collect(logging.DEBUG))
-
-    def take(self, llm: Any) -> list[dict[str, str]]:
-        """What vLLM logged since the last call (flushing what it still holds), as one
-        key: value dict per log record; one record unless a periodic log fell in between."""
-        llm.llm_engine.do_log_stats()
-        taken = []
-        for message in self.records:
-            if message.startswith("KV Transfer metrics: "):
-                parts = message.removeprefix("KV Transfer metrics: ").split(", ")
-                taken.append(dict(part.partition("=")[::2] for part in parts))
-        self.records.clear()
-        return taken
-
-
 def engine_main(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -135,10 +121,14 @@ def engine_main(args: argparse.Namespace) -> None:
             "kv_role": "kv_producer" if args.role == "prefill" else "kv_consumer",
             "kv_connector_extra_config": {"kv_lease_duration": 300},
         }
+        if args.role == "decode" and kv_config["kv_connector"] == "KVShareConnector":
+            # READ time per request; vLLM's offline engine drops connector stats of steps
+            # with no request output, which is where finished reads land.
+            kv_config["kv_connector_extra_config"]["read_log"] = str(work / "reads.jsonl")
         if kv_config["kv_connector"] == "KVShareConnector":
             # The module-path form: works where the package is on PYTHONPATH, not installed.
             kv_config["kv_connector_module_path"] = "kvshare_connector"
-        if cell.get("backend") == "lmcache":
+        if cell.get("backend") == "lmcache" and kv_config["kv_connector"] == "KVShareConnector":
             kv_config["kv_connector_extra_config"].update(
                 backend="lmcache",
                 lmcache={"remote_url": os.environ["KVSHARE_LMCACHE_URL"], "load_timeout_s": 30},
@@ -171,8 +161,6 @@ def engine_main(args: argparse.Namespace) -> None:
         seed=0,
         hf_overrides=overrides,
         kv_transfer_config=kv_config,
-        # Decode: the connector's stats reach us through vLLM's stat loggers (TransferMetrics).
-        disable_log_stats=args.role != "decode",
         # Mixed head sizes make vLLM pick FA4 (CuTe DSL, not in this stack): use Triton.
         attention_backend="TRITON_ATTN" if overrides else None,
     )
@@ -182,13 +170,13 @@ def engine_main(args: argparse.Namespace) -> None:
     greedy = {"temperature": 0.0, "logprobs": 1, "detokenize": False, "ignore_eos": True}
     batches = ["main", "corrupt"] + [f"steady{i}" for i in range(STEADY_REPEATS)]
     out: dict[str, Any] = {"startup_s": startup, "pid": os.getpid()}
-    metrics = TransferMetrics() if args.role == "decode" else None
 
     def run(batch: str, params: list[dict] | None, max_tokens: int) -> dict[str, Any]:
         sampling = []
         for i in range(len(PROMPT_LENS)):
-            extra = {"kv_transfer_params": params[i]} if params is not None else None
+            extra = {"kv_transfer_params": params[i]} if params and params[i] else None
             sampling.append(SamplingParams(max_tokens=max_tokens, extra_args=extra, **greedy))
+        window_start = time.time()  # wall clock, as in the connector's read_log
         t0 = time.perf_counter()
         results = llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts(batch)], sampling, use_tqdm=False
@@ -196,7 +184,7 @@ def engine_main(args: argparse.Namespace) -> None:
         seconds = time.perf_counter() - t0
         return {
             "seconds": seconds,
-            "transfer_metrics": metrics.take(llm) if metrics else [],
+            "window": [window_start, time.time()],
             "tokens": [list(r.outputs[0].token_ids) for r in results],
             "logprobs": [
                 [
@@ -231,6 +219,10 @@ def engine_main(args: argparse.Namespace) -> None:
         for i in range(STEADY_REPEATS):
             batch = f"steady{i}"
             out[batch] = run(batch, produced[batch]["kv_transfer_params"], MAX_TOKENS)
+        if cell.get("connector") == "LMCacheConnectorV1":  # theirs: nothing of ours to skip
+            _write(work / f"{args.role}.result.json", out)
+            (work / "stop").touch()
+            return
         corrupt = []  # negative control: read the wrong blocks, or (LMCache) skip the load
         for params in produced["corrupt"]["kv_transfer_params"]:
             params = dict(params)
@@ -283,8 +275,6 @@ def spawn(
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "PYTHONUNBUFFERED": "1",
-        # Stats are flushed once per batch (TransferMetrics), not on a timer in between.
-        "VLLM_LOG_STATS_INTERVAL": "3600",
         # The repo root: the package, and tests.negative_control for LMCache cells.
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
     }
@@ -325,6 +315,12 @@ def run_cell(name: str, out: Path, port: int, mem: float, timeout_s: float) -> d
             KVSHARE_LMCACHE_URL=f"lm://127.0.0.1:{lm_port}",
             PYTHONHASHSEED="0",
             LMCACHE_TRACK_USAGE="false",
+            # LMCacheConnectorV1 reads its configuration from these (ours ignores them).
+            LMCACHE_REMOTE_URL=f"lm://127.0.0.1:{lm_port}",
+            LMCACHE_REMOTE_SERDE="naive",
+            LMCACHE_CHUNK_SIZE="256",
+            LMCACHE_LOCAL_CPU="True",
+            LMCACHE_MAX_LOCAL_CPU_SIZE="2",
         )
         time.sleep(3)
     t0 = time.monotonic()
@@ -355,9 +351,12 @@ def run_cell(name: str, out: Path, port: int, mem: float, timeout_s: float) -> d
         result[f"{role}_registration"] = [
             line.strip()[-400:]
             for line in log.splitlines()
-            if ("KVShareConnector" in line and "registered" in line)
+            if ("KVShareConnector" in line and ("registered" in line or "handed to" in line))
             or ("nixl" in line.lower() and "regist" in line.lower())
         ][:3]
+        result[f"{role}_lmcache_hits"] = [
+            line.strip()[-200:] for line in log.splitlines() if "LMCache hit tokens" in line
+        ][-12:]
         result[f"{role}_errors"] = [
             line.strip()[-300:] for line in log.splitlines() if "Error" in line or "error" in line
         ][-5:]
@@ -446,7 +445,20 @@ def registration(lines: list[str]) -> str:
         if m := pattern.search(line):
             owners, regions, _, seconds, sharers = m.groups()
             return f"{owners} owners / {sharers} sharers skipped ({regions} region, {seconds} s)"
+        if m := re.search(r"(\d+) owner layer\(s\) handed to LMCache, (\d+) sharing", line):
+            return f"{m[1]} owners handed to LMCache / {m[2]} sharers not"
     return "-"
+
+
+def lmcache_hits(lines: list[str]) -> str:
+    """'hit 1,792 of 1,808 tokens' from LMCache's own connector's log lines."""
+    pattern = re.compile(r"Total tokens (\d+),.*LMCache hit tokens: (\d+|None)")
+    total = hit = 0
+    for line in lines:
+        if m := pattern.search(line):
+            total += int(m.group(1))
+            hit += int(m.group(2)) if m.group(2) != "None" else 0
+    return f"LMCache hit {hit:,} of {total:,} prompt tokens" if total else "no LMCache hit logged"
 
 
 def report(dirs: list[Path]) -> str:
@@ -470,6 +482,8 @@ def report(dirs: list[Path]) -> str:
             else "n/a"
         )
         reg = registration(cell.get("decode_registration", []))
+        if cell.get("connector") == "LMCacheConnectorV1":
+            reg = lmcache_hits(cell.get("decode_lmcache_hits", []))
         if not decode:
             tokens = f"FAILED (rc {cell.get('rc_prefill')}/{cell.get('rc_decode')})"
         lines.append(

@@ -7,6 +7,7 @@ model forward is emulated (it writes a known pattern into the blocks vLLM alloca
 
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 from typing import Any
@@ -92,7 +93,7 @@ def engines():
         engine.close()
 
 
-def test_pd_transfer_through_vllm_scheduler(prefill_engine, engines):
+def test_pd_transfer_through_vllm_scheduler(prefill_engine, engines, tmp_path):
     child, ready = prefill_engine
     requests = ready["requests"]
     assert ready["owners"] == 6 and ready["regions"] == 1
@@ -100,7 +101,8 @@ def test_pd_transfer_through_vllm_scheduler(prefill_engine, engines):
         params = info["kv_transfer_params"]
         assert params["do_remote_prefill"] is True and len(params["remote_block_ids"]) == 6
 
-    decode = engines("g4tiny", "per_layer", "kv_consumer", free_port())
+    read_log = tmp_path / "reads.jsonl"
+    decode = engines("g4tiny", "per_layer", "kv_consumer", free_port(), {"read_log": str(read_log)})
     good = {rid: requests[rid] for rid in ("p0", "p1")}
     report = decode_requests(decode, good, 300)
 
@@ -109,6 +111,11 @@ def test_pd_transfer_through_vllm_scheduler(prefill_engine, engines):
     assert all(r["kv_transfer_params"] is None for r in report.values())  # no load error
     reads = sum(s["reads"] for s in decode.stats)
     assert reads == 2 and sum(s["MB read"] for s in decode.stats) > 0
+    logged = [json.loads(line) for line in read_log.read_text().splitlines()]
+    assert sorted(r["request_id"] for r in logged) == ["d0", "d1"]
+    assert sum(r["bytes"] for r in logged) / 1e6 == pytest.approx(
+        sum(s["MB read"] for s in decode.stats), abs=2e-3
+    )
 
     # Negative control: the same check fails when decode reads the wrong blocks.
     bad = dict(requests["p2"])
