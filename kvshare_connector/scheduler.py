@@ -70,6 +70,15 @@ class _Loading:
     local_tokens: int  # tokens computed locally before the external ones
 
 
+@dataclass
+class _Store:
+    """LMCache prefill: a request's block tables, followed through the steps until the one
+    that computes its last prompt token, and its prompt (sent only in its first step)."""
+
+    tables: list[list[int]] | None = None
+    prompt: list[int] = field(default_factory=list)
+
+
 class KVShareScheduler:
     """Scheduler-side logic, one per engine."""
 
@@ -103,8 +112,7 @@ class KVShareScheduler:
         self._to_hold: dict[str, float] = {}
         self._loading: dict[str, _Loading] = {}
         self._local_tokens: dict[str, int] = {}  # tokens cached locally when matched
-        self._to_store: dict[str, list[list[int]] | None] = {}  # prefill, LMCache: tables
-        self._prompts: dict[str, list[int]] = {}
+        self._to_store: dict[str, _Store] = {}  # prefill, LMCache backend
         self._to_load: list[LoadKV] = []
         self.load_errors: dict[str, str] = {}
 
@@ -136,7 +144,7 @@ class KVShareScheduler:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if params and params.get("do_remote_decode") and self.backend == "lmcache":
-            self._to_store.setdefault(request.request_id, None)  # tables come with the step
+            self._to_store.setdefault(request.request_id, _Store())  # tables come with the step
             return
         if not params or not params.get("do_remote_prefill"):
             return
@@ -206,7 +214,6 @@ class KVShareScheduler:
         self._loading.pop(request.request_id, None)
         self._local_tokens.pop(request.request_id, None)
         self._to_store.pop(request.request_id, None)  # stored in its last prefill step
-        self._prompts.pop(request.request_id, None)
         if params.get("do_remote_prefill") and self.backend == "lmcache":
             params["do_remote_prefill"] = False  # LMCache holds no prefill blocks
             return False, None
@@ -284,22 +291,23 @@ class KVShareScheduler:
             )
         ]
         for request_id, new_ids, resumed, computed, prompt in steps:
-            if request_id not in self._to_store:
+            store = self._to_store.get(request_id)
+            if store is None:
                 continue
-            tables = self._to_store[request_id]
             if new_ids is not None:
-                if tables is None or resumed or prompt is not None:
-                    tables = [list(ids) for ids in new_ids]
+                if store.tables is None or resumed or prompt is not None:
+                    store.tables = [list(ids) for ids in new_ids]
                 else:
-                    for table, ids in zip(tables, new_ids, strict=True):
+                    for table, ids in zip(store.tables, new_ids, strict=True):
                         table.extend(ids)
-            self._to_store[request_id] = tables
             if prompt is not None:
-                self._prompts[request_id] = list(prompt)
-            prompt_ids = self._prompts.get(request_id, [])
+                store.prompt = list(prompt)
             scheduled = scheduler_output.num_scheduled_tokens.get(request_id, 0)
-            if tables is not None and prompt_ids and computed + scheduled >= len(prompt_ids):
-                stores.append(StoreKV(request_id, prompt_ids, tuple(tables)))
+            if (
+                store.tables is not None
+                and store.prompt
+                and computed + scheduled >= len(store.prompt)
+            ):
+                stores.append(StoreKV(request_id, store.prompt, tuple(store.tables)))
                 del self._to_store[request_id]
-                del self._prompts[request_id]
         return stores
