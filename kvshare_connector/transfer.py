@@ -168,11 +168,17 @@ class KVSource:
                     request_id,
                     release.reason,
                 )
-                if self._held.pop(request_id, None) is not None:
-                    self._read_before_hold.add(request_id)
-                elif request_id not in self._released:
-                    self._early[request_id] = now + self.lease_s
+                self._decode_done(request_id, now)
         return protocol.ClaimReply([], list(release.request_ids))
+
+    def _decode_done(self, request_id: str, now: float) -> None:
+        """Decode is done with a request (read it, or gave up): free its blocks on the next
+        poll, or when the scheduler hands them over if it has not yet (decode can be faster
+        than our scheduler's hold). Caller holds the lock."""
+        if self._held.pop(request_id, None) is not None:
+            self._read_before_hold.add(request_id)
+        elif request_id not in self._released:
+            self._early[request_id] = now + self.lease_s
 
     def hold(self, request_id: str, lease_s: float | None = None) -> None:
         """Keep a finished prefill's blocks until decode reads them or the lease ends."""
@@ -201,7 +207,6 @@ class KVSource:
 
     def _release(self, notifications: dict[str, list[bytes]]) -> tuple[set[str], set[str]]:
         now = time.monotonic()
-        read, self._read_before_hold = self._read_before_hold, set()
         for peer, messages in notifications.items():
             for message in messages:
                 try:
@@ -209,10 +214,8 @@ class KVSource:
                 except protocol.ProtocolError as exc:
                     logger.warning("notification from %s ignored: %s", peer, exc)
                     continue
-                if self._held.pop(request_id, None) is not None:
-                    read.add(request_id)
-                else:  # decode can be faster than our scheduler's hold
-                    self._early[request_id] = now + self.lease_s
+                self._decode_done(request_id, now)
+        read, self._read_before_hold = self._read_before_hold, set()
         expired = {r for r, deadline in self._held.items() if deadline <= now}
         for request_id in expired:
             del self._held[request_id]
