@@ -127,15 +127,44 @@ def write_reports(
     return paths
 
 
+def merge_runs(runs: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One report from several results.json (e.g. one configuration per command on a host
+    with a per-command time limit); a later run's configuration replaces an earlier one's."""
+    by_name: dict[str, dict[str, Any]] = {}
+    metas = [run.get("meta", {}) for run in runs]
+    for run in runs:
+        for result in run["results"]:
+            by_name.pop(result["name"], None)
+            by_name[result["name"]] = result
+    started = [m["started"] for m in metas if m.get("started")]
+    finished = [m["finished"] for m in metas if m.get("finished")]
+    files = sorted({m["config_file"] for m in metas if m.get("config_file")})
+    meta = {
+        "config_file": ", ".join(files),
+        "started": min(started) if started else None,
+        "finished": max(finished) if finished else None,
+        "metric": next((m["metric"] for m in metas if m.get("metric")), ""),
+        "merged_from": len(runs),
+    }
+    return list(by_name.values()), meta
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Re-render results.md and results.png from a results.json (e.g. copied off a GPU host)."""
+    """Re-render results.md and results.png from one results.json (e.g. copied off a GPU
+    host), or merge several into --out."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("results_json", type=Path)
+    parser.add_argument("results_json", type=Path, nargs="+")
+    parser.add_argument("--out", type=Path, help="directory of the merged report")
     args = parser.parse_args(argv)
-    data = json.loads(args.results_json.read_text())
-    paths = write_reports(args.results_json.parent, data["results"], data.get("meta", {}))
+    if len(args.results_json) > 1 and args.out is None:
+        parser.error("several results.json need --out")
+    runs = [json.loads(path.read_text()) for path in args.results_json]
+    results, meta = (
+        merge_runs(runs) if len(runs) > 1 else (runs[0]["results"], runs[0].get("meta", {}))
+    )
+    paths = write_reports(args.out or args.results_json[0].parent, results, meta)
     print("\n".join(str(p) for p in paths.values()))
     return 0
 

@@ -8,8 +8,14 @@ time so they do not disturb each other's timings. Colocated engines (prefill and
 one, no connector) under each kvcached mode time what kvcached costs by itself: the PD
 ratios are read against theirs.
 
-    python scripts/bench_pd_gpu.py --out OUT        # needs a CUDA GPU with vLLM 0.26
-    python scripts/bench_pd_gpu.py --report OUT     # tables from an earlier run
+The first batch is one sample per cell and depends on what ran before it: the first PD cell
+on a freshly installed host took 3.2-4.4 s where later ones took 1.1-1.7 s. So before
+anything is timed, one colocated engine and, per connector among the cells, its first cell
+run untimed (out/warmup); ``--rounds N`` then runs the cells N times, each round in a
+rotated order, and reports the median over rounds and every round's first batch.
+
+    python scripts/bench_pd_gpu.py --out OUT [--rounds N]   # a CUDA GPU with vLLM 0.26
+    python scripts/bench_pd_gpu.py --report OUT             # tables from an earlier run
 """
 
 from __future__ import annotations
@@ -65,6 +71,23 @@ def _batch_times(batches: dict, reads: list[dict]) -> dict[str, float]:
 
 
 def timings(out: Path) -> dict[str, dict[str, float]]:
+    """Per cell; with rounds (out/round*/), the median over rounds of each figure, and the
+    first batch of every round in round order under ``first_rounds``."""
+    result: dict[str, dict] = _timings_of_one_run(out)  # with rounds: the colocated ones
+    rounds = sorted(out.glob("round*/"), key=lambda p: int(p.name[len("round") :]))
+    per_round = [_timings_of_one_run(r) for r in rounds]
+    for name in {n for t in per_round for n in t}:
+        samples = [t[name] for t in per_round if name in t and "failed" not in t[name]]
+        if not samples:
+            result[name] = {"failed": 1.0}
+            continue
+        keys = set.intersection(*(set(s) for s in samples))
+        result[name] = {k: statistics.median(s[k] for s in samples) for k in keys}
+        result[name]["first_rounds"] = [s["first"] for s in samples]
+    return result
+
+
+def _timings_of_one_run(out: Path) -> dict[str, dict[str, float]]:
     result = {}
     for path in out.glob("*/cell.json"):
         cell = json.loads(path.read_text())
@@ -91,6 +114,14 @@ def run_colocated(out: Path, modes: dict[str, str | None], mem: float, timeout_s
         print("done: colocated", name, "rc", rc, flush=True)
 
 
+def warmup_cells(cells: list[str]) -> list[str]:
+    """The first of the cells for each connector (ours, NixlConnector, ...)."""
+    first: dict[str, str] = {}
+    for name in cells:
+        first.setdefault(e2e.CELLS[name].get("connector", "KVShareConnector"), name)
+    return list(first.values())
+
+
 def ratio(t: dict, a: str, b: str, key: str) -> str:
     if key not in t.get(a, {}) or key not in t.get(b, {}):
         return "n/a"
@@ -100,7 +131,7 @@ def ratio(t: dict, a: str, b: str, key: str) -> str:
 def report(out: Path) -> str:
     t = timings(out)
     lines = [
-        "| cell | first batch s | steady batch s median [min-max] "
+        "| cell | first batch s (each round) | steady batch s median [min-max] "
         "| READ ms: first batch slowest / steady median (reads) |",
         "|---|---|---|---|",
     ]
@@ -116,8 +147,11 @@ def report(out: Path) -> str:
             if "first_read" in c
             else "-"
         )
+        first = f"{c['first']:.3f}"
+        if len(c.get("first_rounds", ())) > 1:
+            first += " (" + ", ".join(f"{x:.2f}" for x in c["first_rounds"]) + ")"
         lines.append(
-            f"| {name} | {c['first']:.3f} | {c['steady']:.3f} "
+            f"| {name} | {first} | {c['steady']:.3f} "
             f"[{c['steady_min']:.3f}-{c['steady_max']:.3f}] | {reads} |"
         )
     lines += ["", "| ratio | first batch | steady batch | target |", "|---|---|---|---|"]
@@ -175,22 +209,46 @@ def main() -> None:
     parser.add_argument(
         "--no-colocated", action="store_true", help="skip the colocated engines under kvcached"
     )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run the cells N times, each in a rotated order"
+    )
+    parser.add_argument(
+        "--no-warmup", action="store_true", help="no untimed PD cell per connector first"
+    )
     args = parser.parse_args()
     if args.report:
         print(report(Path(args.report)))
         return
     out = Path(args.out)
-    # On a fresh host the first engine compiles Triton's kernels (seconds, cached on disk
-    # after): one colocated engine does that before anything is timed (out/warmup, not
-    # reported); otherwise the first cell's first batch carries it (seen: 3.2 s vs 1.1 s).
+    # Host-level first-use costs (Triton's kernels compiled and cached on disk, ...) go to
+    # untimed engines: a colocated one did not take away the first PD cell's slow first
+    # batch (3.4 s after it), so one PD cell per connector runs untimed too.
     run_colocated(out / "warmup", {"plain": None}, 0.08, 300)
+    if not args.no_warmup:
+        e2e.cmd_run(
+            argparse.Namespace(
+                out=str(out / "warmup"),
+                cells=warmup_cells(args.cells),
+                parallel=1,
+                mem=0.08,
+                timeout=300,
+                no_baseline=True,
+            )
+        )
     if not args.no_colocated:
         run_colocated(out, COLOCATED, 0.08, 300)
-    e2e.cmd_run(
-        argparse.Namespace(
-            out=str(out), cells=args.cells, parallel=1, mem=0.08, timeout=300, no_baseline=True
+    for i in range(args.rounds):
+        order = args.cells[i % len(args.cells) :] + args.cells[: i % len(args.cells)]
+        e2e.cmd_run(
+            argparse.Namespace(
+                out=str(out / f"round{i}" if args.rounds > 1 else out),
+                cells=order,
+                parallel=1,
+                mem=0.08,
+                timeout=300,
+                no_baseline=True,
+            )
         )
-    )
     print(report(out))
 
 

@@ -52,4 +52,50 @@ def test_lmcache_hit_tokens_summed_from_its_log_lines():
     assert gpu_pd_e2e.lmcache_hits(failed["decode_lmcache_hits"]) == "no LMCache hit logged"
     table = gpu_pd_e2e.report([RAW / "lm", RAW / "lm2"])
     assert "| lmcache-native:g4tiny/plain | FAILED (rc 1/-9) |" in table
-    assert "| lmcache:g4tiny/plain | 4/4 | 0.00e+00 | 0/4 |" in table
+    assert "| lmcache:g4tiny/plain | 4/4 | 36/36 | 0/4 |" in table
+
+
+def test_token_agreement_counts_every_batch():
+    """LMCache's own connector on single-group Gemma-4 (sharing layers), the same lm://
+    server and lease as ours: its prompts that load KV from LMCache decode differently,
+    ours decode every batch like the colocated engine."""
+    raw = ROOT / "results" / "gpu" / "2026-11-29c" / "raw"
+    table = gpu_pd_e2e.report([raw / "lm2", raw / "lm3", raw / "lm4"])
+    # 4 prompts x (first + 8 later batches); the 40-token prompt is shorter than LMCache's
+    # 256-token chunk, so decode computes it itself: 9 of the 10 matches.
+    assert "| lmcache-native:g4uniform/plain | 1/4 | 10/36 | n/a |" in table
+    # Every prompt's KV loaded (its last partial chunk stored too): no prompt matches.
+    assert "| lmcache-native:g4uniform/unfull-chunks | 0/4 | 0/36 | n/a |" in table
+    assert "| lmcache:g4uniform/cross-layer | 4/4 | 36/36 | 0/4 |" in table
+    cell = {"decode": {"main": {"tokens": [[1, 2], [3]]}}}
+    assert gpu_pd_e2e.compare(cell, {"main": {"tokens": [[1, 2], [4]]}}, ["main"]) == "1/2"
+    assert gpu_pd_e2e.compare(cell, None, ["main"]) == "n/a"
+    assert gpu_pd_e2e.compare(cell, {"main": {"tokens": [[1, 2], [3]]}}, ["corrupt"]) == "n/a"
+
+
+def test_bench_rounds_report_the_median_and_every_first_batch(tmp_path):
+    """--rounds: cells of each round under out/round<i>/, colocated engines under out/."""
+    later = ROOT / "results" / "gpu" / "2026-11-29c" / "raw" / "bench2"
+    (tmp_path / "round0").symlink_to(RAW / "bench")  # two earlier runs as two rounds
+    (tmp_path / "round1").symlink_to(later)
+    colocated = "colocated__g4tiny__kvcached-per-layer"
+    (tmp_path / colocated).symlink_to(RAW / "colocated" / colocated)
+    t = bench_pd_gpu.timings(tmp_path)
+    first = [bench_pd_gpu.timings(r)["nixl:g4tiny/plain"]["first"] for r in (RAW / "bench", later)]
+    nixl = t["nixl:g4tiny/plain"]
+    assert nixl["first_rounds"] == first and nixl["first"] == sum(first) / 2
+    only_once = bench_pd_gpu.timings(RAW / "bench")["g4tiny/plain"]["first"]
+    assert t["g4tiny/plain"]["first_rounds"] == [only_once]
+    assert t["nixl:g4tiny/kvcached-contiguous"] == {"failed": 1.0}  # failed in its one round
+    assert "colocated:g4tiny/kvcached-per-layer" in t
+    table = bench_pd_gpu.report(tmp_path)
+    assert f"| nixl:g4tiny/plain | {nixl['first']:.3f} ({first[0]:.2f}, {first[1]:.2f}) |" in table
+
+
+def test_bench_warms_up_one_cell_per_connector():
+    cells = ["g4tiny/kvcached-contiguous", "nixl:g4tiny/plain", "g4tiny/plain"]
+    assert bench_pd_gpu.warmup_cells(cells) == ["g4tiny/kvcached-contiguous", "nixl:g4tiny/plain"]
+    assert bench_pd_gpu.warmup_cells(bench_pd_gpu.BENCH_CELLS) == [
+        "g4tiny/plain",
+        "nixl:g4tiny/plain",
+    ]

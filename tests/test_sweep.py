@@ -178,6 +178,49 @@ def test_reports_are_written(tmp_path: Path) -> None:
     assert "| cfg-a |" in paths["markdown"].read_text() and paths["plot"].is_file()
 
 
+def test_runs_of_one_configuration_each_merge_into_one_report(tmp_path: Path) -> None:
+    def run(name: str, started: str, status: str, pd: float) -> dict:
+        result = {
+            "name": name,
+            "status": status,
+            "error": None,
+            "config": {"model": "g4tiny"},
+            "pd": {"score": pd},
+            "baseline": {"score": 0.5},
+            "agreement": 1.0,
+            "probe": None,
+            "expected_score": None,
+        }
+        meta = {"config_file": "s.yaml", "started": started, "finished": started, "metric": "m"}
+        return {"meta": meta, "results": [result]}
+
+    files = []
+    for i, (name, started, status, pd) in enumerate(
+        [
+            ("cfg-a", "2026-11-29 20:00:00", "failed", 0.1),
+            ("cfg-b", "2026-11-29 22:00:00", "passed", 0.5),
+            ("cfg-a", "2026-11-29 23:00:00", "passed", 0.5),  # the rerun replaces the first
+        ]
+    ):
+        path = tmp_path / f"run{i}" / "results.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps(run(name, started, status, pd)))
+        files.append(str(path))
+    with pytest.raises(SystemExit):  # several inputs and nowhere to write the merge
+        pd_report.main(files)
+    assert pd_report.main([*files, "--out", str(tmp_path / "merged")]) == 0
+    merged = json.loads((tmp_path / "merged" / "results.json").read_text())
+    assert [(r["name"], r["status"]) for r in merged["results"]] == [
+        ("cfg-b", "passed"),
+        ("cfg-a", "passed"),
+    ]
+    assert merged["meta"]["started"] == "2026-11-29 20:00:00"
+    assert merged["meta"]["finished"] == "2026-11-29 23:00:00"
+    assert merged["meta"]["merged_from"] == 3
+    md = (tmp_path / "merged" / "results.md").read_text()
+    assert md.count("| passed |") == 2 and "failed" not in md
+
+
 def test_tiny_model_dir_has_a_matching_tokenizer(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     out = tmp_path / "g4tiny"
