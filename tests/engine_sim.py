@@ -225,6 +225,16 @@ def num_blocks_for(group_spec: Any, tokens: int) -> int:
 # ---- processes ----------------------------------------------------------------------------
 
 
+def start_prefill(port: int, tokens: int, requests: int, *options: str, cwd: str) -> Any:
+    """A prefill engine in its own process (``run_prefill``); its READY line lists the
+    requests' kv_transfer_params, its RESULT line what it still holds when done."""
+    from kvshare_connector.child_process import Child
+
+    args = ["-m", "tests.engine_sim", "prefill", "--port", str(port)]
+    args += ["--tokens", str(tokens), "--requests", str(requests), *options]
+    return Child(args, cwd=cwd)
+
+
 def run_prefill(args: argparse.Namespace) -> None:
     extra: dict[str, Any] = {"kv_lease_duration": args.lease_s}
     if args.lmcache_url:

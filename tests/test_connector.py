@@ -14,9 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvshare_connector.child_process import Child
-
-from .engine_sim import READY, RESULT, Engine, decode_requests
+from .engine_sim import READY, RESULT, Engine, decode_requests, start_prefill
 
 ROOT = str(Path(__file__).resolve().parents[1])
 
@@ -57,22 +55,7 @@ def test_factory_loads_by_name_and_by_module_path():
 def prefill_engine():
     """A prefill engine (g4tiny: 6 KV cache groups, 4 sharers) that served 3 requests."""
     port = free_port()
-    child = Child(
-        [
-            "-m",
-            "tests.engine_sim",
-            "prefill",
-            "--port",
-            str(port),
-            "--tokens",
-            "300",
-            "--requests",
-            "3",
-            "--lease-s",
-            "60",
-        ],
-        cwd=ROOT,
-    )
+    child = start_prefill(port, 300, 3, "--lease-s", "60", cwd=ROOT)
     try:
         yield child, child.wait_json(READY, 180)
     finally:
@@ -173,22 +156,7 @@ def test_unreachable_prefill_and_malformed_params_are_computed_locally(engines):
 
 def test_decode_that_never_comes_releases_the_lease():
     port = free_port()
-    child = Child(
-        [
-            "-m",
-            "tests.engine_sim",
-            "prefill",
-            "--port",
-            str(port),
-            "--tokens",
-            "200",
-            "--requests",
-            "2",
-            "--lease-s",
-            "2",
-        ],
-        cwd=ROOT,
-    )
+    child = start_prefill(port, 200, 2, "--lease-s", "2", cwd=ROOT)
     try:
         child.wait_json(READY, 180)
         result = child.wait_json(RESULT, 60)
@@ -201,24 +169,7 @@ def test_decode_that_never_comes_releases_the_lease():
 
 def test_cross_layer_blocks_pd_transfer(engines):
     port = free_port()
-    child = Child(
-        [
-            "-m",
-            "tests.engine_sim",
-            "prefill",
-            "--model",
-            "g4uniform",
-            "--layout",
-            "cross_layer",
-            "--port",
-            str(port),
-            "--tokens",
-            "250",
-            "--requests",
-            "1",
-        ],
-        cwd=ROOT,
-    )
+    child = start_prefill(port, 250, 1, "--model", "g4uniform", "--layout", "cross_layer", cwd=ROOT)
     try:
         ready = child.wait_json(READY, 180)
         decode = engines("g4uniform", "per_layer", "kv_consumer", free_port())
@@ -247,22 +198,7 @@ def test_pd_through_lmcache_backend(monkeypatch, engines):
     with running_lm_server() as url:
         child = None
         try:
-            child = Child(
-                [
-                    "-m",
-                    "tests.engine_sim",
-                    "prefill",
-                    "--port",
-                    str(free_port()),
-                    "--tokens",
-                    "300",
-                    "--requests",
-                    "2",
-                    "--lmcache-url",
-                    url,
-                ],
-                cwd=ROOT,
-            )
+            child = start_prefill(free_port(), 300, 2, "--lmcache-url", url, cwd=ROOT)
             ready = child.wait_json(READY, 180)
             for info in ready["requests"].values():
                 assert info["kv_transfer_params"]["kvshare_backend"] == "lmcache"
