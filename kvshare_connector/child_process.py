@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -55,3 +56,27 @@ class Child:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait(timeout=10)
+
+
+def wait_for_port(
+    host: str, port: int, timeout_s: float, alive: Callable[[], bool] | None = None
+) -> None:
+    """Return once ``host:port`` accepts a TCP connection; raise if ``alive()`` turns
+    false (the server process died) or ``timeout_s`` passes."""
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=0.5).close()
+            return
+        except OSError:
+            if alive is not None and not alive():
+                raise RuntimeError(
+                    f"the server for {host}:{port} exited before listening"
+                ) from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"nothing listens on {host}:{port} after {timeout_s:g} s"
+                ) from None
+            time.sleep(0.2)

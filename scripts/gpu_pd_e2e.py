@@ -17,6 +17,7 @@ Needs a CUDA GPU with vLLM 0.26 (+ NIXL, kvcached for the kvcached cells).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import os
@@ -337,7 +338,14 @@ def run_cell(name: str, out: Path, port: int, mem: float, timeout_s: float) -> d
             LMCACHE_MAX_LOCAL_CPU_SIZE="2",
         )
         env.update(cell.get("lmcache_env", {}))
-        time.sleep(3)
+        from kvshare_connector.child_process import wait_for_port
+
+        try:  # engines that start before it would miss it: wait until it listens
+            wait_for_port("127.0.0.1", lm_port, 60, alive=lambda: server.poll() is None)
+        except (RuntimeError, TimeoutError):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, 9)
+            raise
     t0 = time.monotonic()
     prefill = spawn("prefill", work, work / "prefill.log", env, name, None, port, mem)
     decode = spawn("decode", work, work / "decode.log", env, name, None, port + 1, mem)

@@ -13,7 +13,6 @@ import contextlib
 import functools
 import os
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,7 @@ def free_port() -> int:
 def running_lm_server() -> Iterator[str]:
     """LMCache's own ``lm://`` server on 127.0.0.1 in a child process: its URL, once it
     accepts connections; stopped on exit."""
-    from kvshare_connector.child_process import Child
+    from kvshare_connector.child_process import Child, wait_for_port
 
     port = free_port()
     server = Child(
@@ -52,15 +51,12 @@ def running_lm_server() -> Iterator[str]:
         cwd=str(Path(__file__).resolve().parents[1]),
     )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if server.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("lm server did not start:\n" + "".join(server.log)) from None
-                time.sleep(0.2)
+        try:
+            wait_for_port("127.0.0.1", port, 60, alive=lambda: server.process.poll() is None)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(
+                f"lm server did not start ({exc}):\n" + "".join(server.log)
+            ) from None
         yield f"lm://127.0.0.1:{port}"
     finally:
         server.kill()

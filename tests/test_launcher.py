@@ -365,3 +365,19 @@ def test_cli_rejects_vllm_args_for_the_proxy() -> None:
 
     with pytest.raises(SystemExit):
         cli.main(["proxy", "--prefill", "http://a", "--decode", "http://b", "--", "--x"])
+
+
+def test_wait_for_port_returns_once_listening_and_names_a_dead_or_silent_server():
+    import socket
+
+    from kvshare_connector.child_process import wait_for_port
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        wait_for_port("127.0.0.1", port, 5)  # returns: something accepts
+    with pytest.raises(TimeoutError, match=f"nothing listens on 127.0.0.1:{port} after 0.3 s"):
+        wait_for_port("127.0.0.1", port, 0.3)
+    with pytest.raises(RuntimeError, match="exited before listening"):
+        wait_for_port("127.0.0.1", port, 30, alive=lambda: False)
