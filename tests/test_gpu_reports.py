@@ -56,9 +56,9 @@ def test_lmcache_hit_tokens_summed_from_its_log_lines():
 
 
 def test_token_agreement_counts_every_batch():
-    """LMCache's own connector on single-group Gemma-4 (sharing layers), the same lm://
-    server and lease as ours: its prompts that load KV from LMCache decode differently,
-    ours decode every batch like the colocated engine."""
+    """LMCache's own connector on single-group Gemma-4 (sharing layers) and ours, each with
+    an lm:// server of the same kind, one session: its prompts that load KV from LMCache
+    decode differently, ours decode every batch like the colocated engine."""
     raw = ROOT / "results" / "gpu" / "2026-11-29c" / "raw"
     table = gpu_pd_e2e.report([raw / "lm2", raw / "lm3", raw / "lm4"])
     # 4 prompts x (first + 8 later batches); the 40-token prompt is shorter than LMCache's
