@@ -12,7 +12,8 @@ The first batch is one sample per cell and depends on what ran before it: the fi
 on a freshly installed host took 3.2-4.4 s where later ones took 1.1-1.7 s. So before
 anything is timed, one colocated engine and, per connector among the cells, its first cell
 run untimed (out/warmup); ``--rounds N`` then runs the cells N times, each round in a
-rotated order, and reports the median over rounds and every round's first batch.
+rotated order, and reports the median over rounds and every round's first batch, with the
+Triton kernels each run compiled (new entries in Triton's on-disk cache).
 
     python scripts/bench_pd_gpu.py --out OUT [--rounds N]   # a CUDA GPU with vLLM 0.26
     python scripts/bench_pd_gpu.py --report OUT             # tables from an earlier run
@@ -84,6 +85,8 @@ def timings(out: Path) -> dict[str, dict[str, float]]:
         keys = set.intersection(*(set(s) for s in samples))
         result[name] = {k: statistics.median(s[k] for s in samples) for k in keys}
         result[name]["first_rounds"] = [s["first"] for s in samples]
+        if all("kernels" in s for s in samples):
+            result[name]["kernels_rounds"] = [s["kernels"] for s in samples]
     return result
 
 
@@ -93,12 +96,20 @@ def _timings_of_one_run(out: Path) -> dict[str, dict[str, float]]:
         cell = json.loads(path.read_text())
         log = path.parent / "reads.jsonl"
         reads = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
-        result[cell["cell"]] = _batch_times(cell.get("decode") or {}, reads)
+        result[cell["cell"]] = _with_kernels(_batch_times(cell.get("decode") or {}, reads), cell)
     for path in out.glob("colocated__*/baseline.json"):
-        result["colocated:g4tiny/" + path.parent.name.rsplit("__", 1)[1]] = _batch_times(
-            json.loads(path.read_text()), []
+        baseline = json.loads(path.read_text())
+        result["colocated:g4tiny/" + path.parent.name.rsplit("__", 1)[1]] = _with_kernels(
+            _batch_times(baseline, []), baseline
         )
     return result
+
+
+def _with_kernels(times: dict[str, float], run: dict) -> dict[str, float]:
+    """The Triton kernels the run compiled (runs from before this was recorded: none)."""
+    if "failed" not in times and "triton_kernels_compiled" in run:
+        times["kernels"] = run["triton_kernels_compiled"]
+    return times
 
 
 def run_colocated(out: Path, modes: dict[str, str | None], mem: float, timeout_s: float) -> None:
@@ -106,12 +117,15 @@ def run_colocated(out: Path, modes: dict[str, str | None], mem: float, timeout_s
         work = out / f"colocated__g4tiny__{name}"
         work.mkdir(parents=True, exist_ok=True)
         env = e2e.cell_env({"kvcached": mode})
+        kernels_before = e2e.triton_cache_entries()
         proc = e2e.spawn("baseline", work, work / "baseline.log", env, None, "g4tiny", 0, mem)
         rc = e2e.wait(proc, timeout_s)
+        compiled = e2e.triton_cache_entries() - kernels_before
         result_path = work / "baseline.result.json"
         result = json.loads(result_path.read_text()) if result_path.exists() else {}
-        (work / "baseline.json").write_text(json.dumps({"rc": rc, **result}))
-        print("done: colocated", name, "rc", rc, flush=True)
+        result.update(rc=rc, triton_kernels_compiled=compiled)
+        (work / "baseline.json").write_text(json.dumps(result))
+        print("done: colocated", name, "rc", rc, "Triton kernels compiled", compiled, flush=True)
 
 
 def warmup_cells(cells: list[str]) -> list[str]:
@@ -132,15 +146,16 @@ def report(out: Path) -> str:
     t = timings(out)
     lines = [
         "| cell | first batch s (each round) | steady batch s median [min-max] "
-        "| READ ms: first batch slowest / steady median (reads) |",
-        "|---|---|---|---|",
+        "| READ ms: first batch slowest / steady median (reads) "
+        "| Triton kernels compiled (each round) |",
+        "|---|---|---|---|---|",
     ]
     for name in BENCH_CELLS + [f"colocated:g4tiny/{c}" for c in COLOCATED]:
         c = t.get(name)
         if c is None:
             continue
         if "failed" in c:
-            lines.append(f"| {name} | failed | failed | - |")
+            lines.append(f"| {name} | failed | failed | - | - |")
             continue
         reads = (
             f"{c['first_read'] * 1e3:.1f} / {c['steady_read'] * 1e3:.1f} ({c['reads']:.0f})"
@@ -150,9 +165,10 @@ def report(out: Path) -> str:
         first = f"{c['first']:.3f}"
         if len(c.get("first_rounds", ())) > 1:
             first += " (" + ", ".join(f"{x:.2f}" for x in c["first_rounds"]) + ")"
+        kernels = ", ".join(str(k) for k in c.get("kernels_rounds", [c.get("kernels", "-")]))
         lines.append(
             f"| {name} | {first} | {c['steady']:.3f} "
-            f"[{c['steady_min']:.3f}-{c['steady_max']:.3f}] | {reads} |"
+            f"[{c['steady_min']:.3f}-{c['steady_max']:.3f}] | {reads} | {kernels} |"
         )
     lines += ["", "| ratio | first batch | steady batch | target |", "|---|---|---|---|"]
     pairs = [

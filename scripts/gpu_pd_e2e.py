@@ -178,6 +178,7 @@ def engine_main(args: argparse.Namespace) -> None:
         kv_transfer_config=kv_config,
         # Mixed head sizes make vLLM pick FA4 (CuTe DSL, not in this stack): use Triton.
         attention_backend="TRITON_ATTN" if overrides else None,
+        jit_monitor_verbose=True,  # every kernel (re)compiled while serving, with its time
     )
     fcntl.flock(lock, fcntl.LOCK_UN)
     lock.close()
@@ -312,6 +313,13 @@ def wait(proc: subprocess.Popen, timeout_s: float) -> int:
         return -9
 
 
+def triton_cache_entries() -> int:
+    """Kernels in Triton's on-disk cache: what an engine adds there, it compiled (loads from
+    the cache add nothing), the one-time cost a first batch can carry on a fresh host."""
+    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    return sum(1 for _ in root.iterdir()) if root.is_dir() else 0
+
+
 def run_cell(name: str, out: Path, port: int, mem: float, timeout_s: float) -> dict[str, Any]:
     cell = CELLS[name]
     work = out / name.replace("/", "__").replace(":", "_")
@@ -347,6 +355,7 @@ def run_cell(name: str, out: Path, port: int, mem: float, timeout_s: float) -> d
                 os.killpg(server.pid, 9)
             raise
     t0 = time.monotonic()
+    kernels_before = triton_cache_entries()
     prefill = spawn("prefill", work, work / "prefill.log", env, name, None, port, mem)
     decode = spawn("decode", work, work / "decode.log", env, name, None, port + 1, mem)
     deadline = time.monotonic() + timeout_s
@@ -365,6 +374,7 @@ def run_cell(name: str, out: Path, port: int, mem: float, timeout_s: float) -> d
         "rc_prefill": rc_p,
         "rc_decode": rc_d,
         "wall_s": time.monotonic() - t0,
+        "triton_kernels_compiled": triton_cache_entries() - kernels_before,
     }
     for role in ("prefill", "decode"):
         path = work / f"{role}.result.json"
@@ -391,10 +401,16 @@ def run_baseline(model: str, runner: str, out: Path, mem: float, timeout_s: floa
     work = out / f"baseline__{model}__{runner}"
     work.mkdir(parents=True, exist_ok=True)
     env = cell_env({"runner": runner})
+    kernels_before = triton_cache_entries()
     proc = spawn("baseline", work, work / "baseline.log", env, None, model, 0, mem)
     rc = wait(proc, timeout_s)
     path = work / "baseline.result.json"
-    result = {"model": model, "runner": runner, "rc": rc}
+    result = {
+        "model": model,
+        "runner": runner,
+        "rc": rc,
+        "triton_kernels_compiled": triton_cache_entries() - kernels_before,
+    }
     if path.exists():
         result.update(json.loads(path.read_text()))
     _write(work / "baseline.json", result)

@@ -99,3 +99,23 @@ def test_bench_warms_up_one_cell_per_connector():
         "g4tiny/plain",
         "nixl:g4tiny/plain",
     ]
+
+
+def test_bench_reports_the_triton_kernels_each_run_compiled(tmp_path, monkeypatch):
+    """Runs record how many kernels they added to Triton's cache; runs from before that
+    was recorded show '-'."""
+    cell = json.loads((RAW / "bench" / "nixl_g4tiny__plain" / "cell.json").read_text())
+    for i, compiled in enumerate((12, 0)):
+        work = tmp_path / f"round{i}" / "nixl_g4tiny__plain"
+        work.mkdir(parents=True)
+        (work / "cell.json").write_text(json.dumps({**cell, "triton_kernels_compiled": compiled}))
+    assert bench_pd_gpu.timings(tmp_path)["nixl:g4tiny/plain"]["kernels_rounds"] == [12, 0]
+    assert "| 12, 0 |" in bench_pd_gpu.report(tmp_path)
+    old = bench_pd_gpu.report(RAW / "bench")
+    assert "| nixl:g4tiny/plain | 1.241 |" in old and old.splitlines()[2].endswith("| - |")
+    cache = tmp_path / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    assert gpu_pd_e2e.triton_cache_entries() == 0  # no cache yet
+    for key in ("a1", "b2", "c3"):  # Triton keeps one directory per compiled kernel
+        (cache / key).mkdir(parents=True)
+    assert gpu_pd_e2e.triton_cache_entries() == 3
