@@ -115,17 +115,25 @@ def _with_kernels(times: dict[str, float], run: dict) -> dict[str, float]:
 def run_colocated(out: Path, modes: dict[str, str | None], mem: float, timeout_s: float) -> None:
     for name, mode in modes.items():
         work = out / f"colocated__g4tiny__{name}"
-        work.mkdir(parents=True, exist_ok=True)
-        env = e2e.cell_env({"kvcached": mode})
-        kernels_before = e2e.triton_cache_entries()
-        proc = e2e.spawn("baseline", work, work / "baseline.log", env, None, "g4tiny", 0, mem)
-        rc = e2e.wait(proc, timeout_s)
-        compiled = e2e.triton_cache_entries() - kernels_before
-        result_path = work / "baseline.result.json"
-        result = json.loads(result_path.read_text()) if result_path.exists() else {}
-        result.update(rc=rc, triton_kernels_compiled=compiled)
-        (work / "baseline.json").write_text(json.dumps(result))
-        print("done: colocated", name, "rc", rc, "Triton kernels compiled", compiled, flush=True)
+        result = e2e.run_alone(work, e2e.cell_env({"kvcached": mode}), "g4tiny", mem, timeout_s)
+        print(
+            "done: colocated",
+            name,
+            "rc",
+            result["rc"],
+            "Triton kernels compiled",
+            result["triton_kernels_compiled"],
+            flush=True,
+        )
+
+
+def run_cells(out: Path, cells: list[str]) -> None:
+    """PD cells one at a time (timings undisturbed), against no baseline of their own."""
+    e2e.cmd_run(
+        argparse.Namespace(
+            out=str(out), cells=cells, parallel=1, mem=0.08, timeout=300, no_baseline=True
+        )
+    )
 
 
 def warmup_cells(cells: list[str]) -> list[str]:
@@ -241,30 +249,12 @@ def main() -> None:
     # batch (3.4 s after it), so one PD cell per connector runs untimed too.
     run_colocated(out / "warmup", {"plain": None}, 0.08, 300)
     if not args.no_warmup:
-        e2e.cmd_run(
-            argparse.Namespace(
-                out=str(out / "warmup"),
-                cells=warmup_cells(args.cells),
-                parallel=1,
-                mem=0.08,
-                timeout=300,
-                no_baseline=True,
-            )
-        )
+        run_cells(out / "warmup", warmup_cells(args.cells))
     if not args.no_colocated:
         run_colocated(out, COLOCATED, 0.08, 300)
     for i in range(args.rounds):
         order = args.cells[i % len(args.cells) :] + args.cells[: i % len(args.cells)]
-        e2e.cmd_run(
-            argparse.Namespace(
-                out=str(out / f"round{i}" if args.rounds > 1 else out),
-                cells=order,
-                parallel=1,
-                mem=0.08,
-                timeout=300,
-                no_baseline=True,
-            )
-        )
+        run_cells(out / f"round{i}" if args.rounds > 1 else out, order)
     print(report(out))
 
 

@@ -397,24 +397,31 @@ def run_cell(name: str, out: Path, port: int, mem: float, timeout_s: float) -> d
     return result
 
 
-def run_baseline(model: str, runner: str, out: Path, mem: float, timeout_s: float) -> dict:
-    work = out / f"baseline__{model}__{runner}"
+def run_alone(
+    work: Path, env: dict[str, str], model: str, mem: float, timeout_s: float, **labels: Any
+) -> dict:
+    """One engine without a connector (colocated prefill and decode) in ``work``: its
+    batches, rc and the Triton kernels it compiled, also written to work/baseline.json."""
     work.mkdir(parents=True, exist_ok=True)
-    env = cell_env({"runner": runner})
     kernels_before = triton_cache_entries()
     proc = spawn("baseline", work, work / "baseline.log", env, None, model, 0, mem)
     rc = wait(proc, timeout_s)
-    path = work / "baseline.result.json"
     result = {
-        "model": model,
-        "runner": runner,
+        **labels,
         "rc": rc,
         "triton_kernels_compiled": triton_cache_entries() - kernels_before,
     }
+    path = work / "baseline.result.json"
     if path.exists():
         result.update(json.loads(path.read_text()))
     _write(work / "baseline.json", result)
     return result
+
+
+def run_baseline(model: str, runner: str, out: Path, mem: float, timeout_s: float) -> dict:
+    work = out / f"baseline__{model}__{runner}"
+    env = cell_env({"runner": runner})
+    return run_alone(work, env, model, mem, timeout_s, model=model, runner=runner)
 
 
 def cmd_run(args: argparse.Namespace) -> None:
