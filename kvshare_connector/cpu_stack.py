@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+from kvshare_connector.files import write_atomic
+
 MODELS = ("gemma4_e2b_shape", "g4tiny", "g4uniform")
 LAYOUTS = ("per_layer", "cross_layer", "kvcached_contiguous", "kvcached_per_layer")
 FLASH_ATTN = "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend"
@@ -73,10 +75,8 @@ def model_dir(model: str, root: Path) -> Path:
     text = resources.files("kvshare_connector").joinpath("models", f"{model}.json").read_text()
     config = target / "config.json"
     if not config.exists() or config.read_text() != text:
-        # Atomic: processes that build the same model at once never read half a file.
-        tmp = target / f".config.{os.getpid()}.json"
-        tmp.write_text(text)
-        os.replace(tmp, config)
+        # Processes that build the same model at once never read half a file.
+        write_atomic(config, text)
     return target
 
 

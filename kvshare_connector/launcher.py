@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvshare_connector.files import write_atomic
 from kvshare_connector.pd_procs import (
     LaunchError,
     ManagedProcess,
@@ -340,7 +341,8 @@ def run_foreground(deployment: Deployment, ready_file: Path | None = None) -> in
             flush=True,
         )
         if ready_file is not None:
-            ready_file.write_text(json.dumps(info, indent=2))
+            # Readers poll for the file: it must appear whole.
+            write_atomic(ready_file, json.dumps(info, indent=2))
         try:
             while True:
                 dead = deployment.dead()

@@ -253,9 +253,10 @@ def engine_main(args: argparse.Namespace) -> None:
 
 
 def _write(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.rename(path)
+    """JSON the other engine or the driver polls for: it appears whole."""
+    from kvshare_connector.files import write_atomic
+
+    write_atomic(path, json.dumps(data))
 
 
 # ---- orchestration ------------------------------------------------------------------------

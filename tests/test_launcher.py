@@ -381,3 +381,13 @@ def test_wait_for_port_returns_once_listening_and_names_a_dead_or_silent_server(
         wait_for_port("127.0.0.1", port, 0.3)
     with pytest.raises(RuntimeError, match="exited before listening"):
         wait_for_port("127.0.0.1", port, 30, alive=lambda: False)
+
+
+def test_write_atomic_replaces_whole_and_leaves_no_temporary(tmp_path: Path) -> None:
+    from kvshare_connector.files import write_atomic
+
+    path = tmp_path / "ready.json"
+    write_atomic(path, '{"a": 1}')
+    write_atomic(path, '{"b": 2}')
+    assert json.loads(path.read_text()) == {"b": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["ready.json"]
