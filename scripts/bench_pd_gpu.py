@@ -8,15 +8,17 @@ time so they do not disturb each other's timings. Colocated engines (prefill and
 one, no connector) under each kvcached mode time what kvcached costs by itself: the PD
 ratios are read against theirs.
 
-The first batch is one sample per cell and depends on what ran before it: the first PD cell
-on a freshly installed host took 3.2-4.4 s where later ones took 1.1-1.7 s. So before
+The first batch is one sample per cell and depends on what ran before it: the first PD
+engine pair on a freshly installed host compiles Triton kernels (13 on the H200, whichever
+connector: NixlConnector 4.6 s, ours 3.2-4.4 s, against 1.1-1.9 s later). So before
 anything is timed, one colocated engine and, per connector among the cells, its first cell
 run untimed (out/warmup); ``--rounds N`` then runs the cells N times, each round in a
-rotated order, and reports the median over rounds and every round's first batch, with the
-Triton kernels each run compiled (new entries in Triton's on-disk cache).
+rotated order, and reports the median over rounds, every round's first batch, the Triton
+kernels each run compiled (new entries in Triton's on-disk cache), and the steady ratio
+with an interval over rounds: rounds of the same cells differ by up to 1.5x on one host.
 
     python scripts/bench_pd_gpu.py --out OUT [--rounds N]   # a CUDA GPU with vLLM 0.26
-    python scripts/bench_pd_gpu.py --report OUT             # tables from an earlier run
+    python scripts/bench_pd_gpu.py --report OUT [OUT ...]   # tables from earlier runs, pooled
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import json
 import statistics
 import sys
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_pd_e2e as e2e
@@ -61,6 +65,7 @@ def _batch_times(batches: dict, reads: list[dict]) -> dict[str, float]:
         "steady": statistics.median(steady),
         "steady_min": min(steady),
         "steady_max": max(steady),
+        "steady_batches": steady,
     }
     first_reads = read_seconds(batches["main"], reads)
     steady_reads = [s for b in steady_batches for s in read_seconds(b, reads)]
@@ -71,20 +76,30 @@ def _batch_times(batches: dict, reads: list[dict]) -> dict[str, float]:
     return times
 
 
-def timings(out: Path) -> dict[str, dict[str, float]]:
-    """Per cell; with rounds (out/round*/), the median over rounds of each figure, and the
-    first batch of every round in round order under ``first_rounds``."""
-    result: dict[str, dict] = _timings_of_one_run(out)  # with rounds: the colocated ones
-    rounds = sorted(out.glob("round*/"), key=lambda p: int(p.name[len("round") :]))
-    per_round = [_timings_of_one_run(r) for r in rounds]
-    for name in {n for t in per_round for n in t}:
+def timings(*outs: Path) -> dict[str, dict]:
+    """Per cell over every round of every run given (a run's rounds are out/round*/, or the
+    run is one round): the median over rounds of each figure, every round's first batch in
+    order under ``first_rounds``. A round whose engines compiled Triton kernels paid a
+    host's first-use cost (the first PD engine on a fresh host: 4.6 s for NixlConnector, 3.2-4.4 s
+    for ours) that says nothing of the connector: it is flagged in ``cold_rounds`` and left
+    out of the medians, unless every round of the cell was such a round."""
+    per_round = []
+    for out in outs:
+        rounds = sorted(out.glob("round*/"), key=lambda p: int(p.name[len("round") :]))
+        per_round += [_timings_of_one_run(r) for r in [out, *rounds]]
+    result: dict[str, dict] = {}
+    for name in sorted({n for t in per_round for n in t}):
         samples = [t[name] for t in per_round if name in t and "failed" not in t[name]]
         if not samples:
             result[name] = {"failed": 1.0}
             continue
-        keys = set.intersection(*(set(s) for s in samples))
-        result[name] = {k: statistics.median(s[k] for s in samples) for k in keys}
+        warm = [s for s in samples if not s.get("kernels")]
+        used = warm or samples
+        keys = set.intersection(*(set(s) for s in used)) - {"steady_batches"}
+        result[name] = {k: statistics.median(s[k] for s in used) for k in keys}
+        result[name]["steady_rounds"] = [s["steady_batches"] for s in used]
         result[name]["first_rounds"] = [s["first"] for s in samples]
+        result[name]["cold_rounds"] = [bool(warm) and s not in warm for s in samples]
         if all("kernels" in s for s in samples):
             result[name]["kernels_rounds"] = [s["kernels"] for s in samples]
     return result
@@ -96,7 +111,8 @@ def _timings_of_one_run(out: Path) -> dict[str, dict[str, float]]:
         cell = json.loads(path.read_text())
         log = path.parent / "reads.jsonl"
         reads = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
-        result[cell["cell"]] = _with_kernels(_batch_times(cell.get("decode") or {}, reads), cell)
+        decode = (cell.get("decode") or {}) if e2e.cell_succeeded(cell) else {}
+        result[cell["cell"]] = _with_kernels(_batch_times(decode, reads), cell)
     for path in out.glob("colocated__*/baseline.json"):
         baseline = json.loads(path.read_text())
         result["colocated:g4tiny/" + path.parent.name.rsplit("__", 1)[1]] = _with_kernels(
@@ -144,16 +160,66 @@ def warmup_cells(cells: list[str]) -> list[str]:
     return list(first.values())
 
 
+def all_batches(rounds: list[list[float]]) -> list[float]:
+    return [batch for batches in rounds for batch in batches]
+
+
+def pooled_steady_ratio(t: dict, a: str, b: str, resamples: int = 10_000) -> str:
+    """Median steady batch of a over b's, every warm round's steady batches pooled, with a
+    95% interval from resampling whole rounds. Rounds, not batches: the same cells differ
+    by up to 1.5x from one round to the next on a shared host while a round's own batches
+    move together, so one round alone (or batches treated as independent) would make a
+    host's drift look like a difference between connectors."""
+    x, y = (t.get(c, {}).get("steady_rounds", []) for c in (a, b))
+    if not x or not y:
+        return "n/a"
+    point = statistics.median(all_batches(x)) / statistics.median(all_batches(y))
+    counts = f"({len(x)} / {len(y)} rounds)"
+    if min(len(x), len(y)) < 3:
+        return f"{point:.2f}x, too few rounds for an interval {counts}"
+    rng = np.random.default_rng(0)
+
+    def resampled_medians(rounds: list[list[float]]) -> np.ndarray:
+        picks = rng.integers(len(rounds), size=(resamples, len(rounds)))
+        return np.array([np.median(np.concatenate([rounds[i] for i in row])) for row in picks])
+
+    low, high = np.percentile(resampled_medians(x) / resampled_medians(y), [2.5, 97.5])
+    return f"{point:.2f}x [{low:.2f}-{high:.2f}] {counts}"
+
+
+def rounds_side_by_side(outs: tuple[Path, ...], a: str, b: str) -> list[str]:
+    """Cells a and b in each round that ran both: how far one round's ratio is from another's."""
+    lines = [
+        f"| round | {a} first / steady s | {b} first / steady s | ratio first / steady |",
+        "|---|---|---|---|",
+    ]
+    for out in outs:
+        rounds = sorted(out.glob("round*/"), key=lambda p: int(p.name[len("round") :]))
+        for run in rounds or [out]:
+            t = _timings_of_one_run(run)
+            x, y = t.get(a, {}), t.get(b, {})
+            if "first" not in x or "first" not in y:
+                continue
+            cold = "*" if x.get("kernels") or y.get("kernels") else ""
+            lines.append(
+                f"| {run.relative_to(out.parent)}{cold} | {x['first']:.3f} / {x['steady']:.3f} "
+                f"| {y['first']:.3f} / {y['steady']:.3f} | {x['first'] / y['first']:.2f}x / "
+                f"{x['steady'] / y['steady']:.2f}x |"
+            )
+    return lines if len(lines) > 2 else []
+
+
 def ratio(t: dict, a: str, b: str, key: str) -> str:
     if key not in t.get(a, {}) or key not in t.get(b, {}):
         return "n/a"
     return f"{t[a][key] / t[b][key]:.2f}x"
 
 
-def report(out: Path) -> str:
-    t = timings(out)
+def report(*outs: Path) -> str:
+    t = timings(*outs)
     lines = [
-        "| cell | first batch s (each round) | steady batch s median [min-max] "
+        "| cell | first batch s median (each round; * compiled Triton kernels, left out) "
+        "| steady batch s median [min-max] "
         "| READ ms: first batch slowest / steady median (reads) "
         "| Triton kernels compiled (each round) |",
         "|---|---|---|---|---|",
@@ -171,14 +237,20 @@ def report(out: Path) -> str:
             else "-"
         )
         first = f"{c['first']:.3f}"
-        if len(c.get("first_rounds", ())) > 1:
-            first += " (" + ", ".join(f"{x:.2f}" for x in c["first_rounds"]) + ")"
+        if len(c["first_rounds"]) > 1:
+            each = zip(c["first_rounds"], c["cold_rounds"], strict=True)
+            first += " (" + ", ".join(f"{x:.2f}" + "*" * cold for x, cold in each) + ")"
         kernels = ", ".join(str(k) for k in c.get("kernels_rounds", [c.get("kernels", "-")]))
         lines.append(
             f"| {name} | {first} | {c['steady']:.3f} "
             f"[{c['steady_min']:.3f}-{c['steady_max']:.3f}] | {reads} | {kernels} |"
         )
-    lines += ["", "| ratio | first batch | steady batch | target |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "| ratio | first batch | steady batch | steady, batches pooled [95% CI over rounds] "
+        "| target |",
+        "|---|---|---|---|---|",
+    ]
     pairs = [
         (
             "ours kvcached contiguous / ours plain",
@@ -220,15 +292,19 @@ def report(out: Path) -> str:
     ]
     for label, a, b, target in pairs:
         lines.append(
-            f"| {label} | {ratio(t, a, b, 'first')} | {ratio(t, a, b, 'steady')} | {target} |"
+            f"| {label} | {ratio(t, a, b, 'first')} | {ratio(t, a, b, 'steady')} "
+            f"| {pooled_steady_ratio(t, a, b)} | {target} |"
         )
+    side_by_side = rounds_side_by_side(outs, "g4tiny/plain", "nixl:g4tiny/plain")
+    if side_by_side:
+        lines += ["", "Each round (* its engines compiled Triton kernels):", "", *side_by_side]
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out")
-    parser.add_argument("--report")
+    parser.add_argument("--report", nargs="+", help="tables from earlier runs, pooled")
     parser.add_argument("--cells", nargs="*", default=BENCH_CELLS)
     parser.add_argument(
         "--no-colocated", action="store_true", help="skip the colocated engines under kvcached"
@@ -241,9 +317,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.report:
-        print(report(Path(args.report)))
+        print(report(*map(Path, args.report)))
         return
     out = Path(args.out)
+    e2e.stop_with_the_driver()
     # Host-level first-use costs (Triton's kernels compiled and cached on disk, ...) go to
     # untimed engines: a colocated one did not take away the first PD cell's slow first
     # batch (3.4 s after it), so one PD cell per connector runs untimed too.

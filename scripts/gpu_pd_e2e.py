@@ -22,6 +22,7 @@ import fcntl
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -296,14 +297,70 @@ def spawn(
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
     }
     # Own process group per engine: kvcached names its IPC segments after it.
-    return subprocess.Popen(
-        cmd,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        env=full_env,
-        cwd=ROOT,
-        start_new_session=True,
+    return _started(
+        subprocess.Popen(
+            cmd,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
     )
+
+
+# What an engine of a cell or a baseline leaves in its work directory. A rerun into the same
+# --out must not find them: a stale ``stop`` ends the new prefill engine as soon as it is up
+# (and the decode engine's memory profiling then fails, the GPU's free memory having grown),
+# a stale ``prefill.json`` hands decode old transfer parameters, a stale result reads as
+# this run's.
+RUN_OUTPUTS = (
+    "stop",
+    "prefill.json",
+    "prefill.result.json",
+    "decode.result.json",
+    "baseline.result.json",
+    "reads.jsonl",
+    "cell.json",
+    "baseline.json",
+)
+
+
+def fresh_work_dir(work: Path) -> Path:
+    """``work`` without any earlier run's outputs (the model directory is kept)."""
+    work.mkdir(parents=True, exist_ok=True)
+    for name in RUN_OUTPUTS:
+        (work / name).unlink(missing_ok=True)
+    return work
+
+
+# Every process this driver started, each in its own session: a driver that is stopped or
+# crashes must not leave engines holding GPU memory into the next command on the host.
+_STARTED: set[subprocess.Popen] = set()
+
+
+def _started(proc: subprocess.Popen) -> subprocess.Popen:
+    _STARTED.add(proc)
+    return proc
+
+
+def stop_started_processes() -> None:
+    for proc in list(_STARTED):
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        _STARTED.discard(proc)
+
+
+def stop_with_the_driver() -> None:
+    """On SIGTERM (what `timeout` sends) stop every started process, then exit."""
+
+    def exit_on_signal(signum: int, _frame: object) -> None:
+        stop_started_processes()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, exit_on_signal)
 
 
 def wait(proc: subprocess.Popen, timeout_s: float) -> int:
@@ -323,17 +380,18 @@ def triton_cache_entries() -> int:
 
 def run_cell(name: str, out: Path, port: int, mem: float, timeout_s: float) -> dict[str, Any]:
     cell = CELLS[name]
-    work = out / name.replace("/", "__").replace(":", "_")
-    work.mkdir(parents=True, exist_ok=True)
+    work = fresh_work_dir(out / name.replace("/", "__").replace(":", "_"))
     env = cell_env(cell)
     server = None
     if cell.get("backend") == "lmcache":  # an lm:// server between the two engines
         lm_port = port + 5
-        server = subprocess.Popen(
-            [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(lm_port), "cpu"],
-            stdout=(work / "lmcache_server.log").open("w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+        server = _started(
+            subprocess.Popen(
+                [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(lm_port), "cpu"],
+                stdout=(work / "lmcache_server.log").open("w"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         )
         env.update(
             KVSHARE_LMCACHE_URL=f"lm://127.0.0.1:{lm_port}",
@@ -399,13 +457,13 @@ def run_cell(name: str, out: Path, port: int, mem: float, timeout_s: float) -> d
 
 
 def run_alone(
-    work: Path, env: dict[str, str], model: str, mem: float, timeout_s: float, **labels: Any
+    work: Path, env: dict[str, str], model_name: str, mem: float, timeout_s: float, **labels: Any
 ) -> dict:
     """One engine without a connector (colocated prefill and decode) in ``work``: its
     batches, rc and the Triton kernels it compiled, also written to work/baseline.json."""
-    work.mkdir(parents=True, exist_ok=True)
+    fresh_work_dir(work)
     kernels_before = triton_cache_entries()
-    proc = spawn("baseline", work, work / "baseline.log", env, None, model, 0, mem)
+    proc = spawn("baseline", work, work / "baseline.log", env, None, model_name, 0, mem)
     rc = wait(proc, timeout_s)
     result = {
         **labels,
@@ -433,13 +491,14 @@ def cmd_run(args: argparse.Namespace) -> None:
     jobs = [("baseline", m, r) for m, r in needed] if not args.no_baseline else []
     jobs += [("cell", c, None) for c in cells]
     port = 20000
-    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        futures = []
-        for i, (kind, a, b) in enumerate(jobs):
-            if kind == "baseline":
-                futures.append(pool.submit(run_baseline, a, b, out, args.mem, args.timeout))
-            else:
-                futures.append(pool.submit(run_cell, a, out, port + 10 * i, args.mem, args.timeout))
+    pool = ThreadPoolExecutor(max_workers=args.parallel)
+    futures = []
+    for i, (kind, a, b) in enumerate(jobs):
+        if kind == "baseline":
+            futures.append(pool.submit(run_baseline, a, b, out, args.mem, args.timeout))
+        else:
+            futures.append(pool.submit(run_cell, a, out, port + 10 * i, args.mem, args.timeout))
+    try:
         for future in futures:
             result = future.result()
             print(
@@ -449,6 +508,11 @@ def cmd_run(args: argparse.Namespace) -> None:
                 result.get("rc", (result.get("rc_prefill"), result.get("rc_decode"))),
                 flush=True,
             )
+    except BaseException:  # a job failed: the rest would run on, unreported
+        pool.shutdown(wait=False, cancel_futures=True)
+        stop_started_processes()
+        raise
+    pool.shutdown()
     print(report([out]))
 
 
@@ -467,6 +531,11 @@ def _load(dirs: list[Path]) -> tuple[dict, list[dict]]:
             cell = json.loads(path.read_text())
             cells[cell["cell"]] = cell
     return baselines, list(cells.values())
+
+
+def cell_succeeded(cell: dict) -> bool:
+    """Both engines exited cleanly (results read from a cell whose engine failed are not its)."""
+    return cell.get("rc_prefill") == 0 and cell.get("rc_decode") == 0
 
 
 def compare(cell: dict, base: dict | None, batches: list[str]) -> str:
@@ -523,6 +592,8 @@ def report(dirs: list[Path]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for cell in sorted(cells, key=lambda c: c["cell"]):
+        if not cell_succeeded(cell):  # what it holds may be an earlier run's
+            cell = {**cell, "decode": None}
         base = baselines.get((cell["model"], cell.get("runner", "v1")))
         decode = cell.get("decode") or {}
         tokens = compare(cell, base, ["main"])
@@ -569,6 +640,7 @@ def main() -> None:
     rep.add_argument("dirs", nargs="+")
     args = parser.parse_args()
     if args.command == "run":
+        stop_with_the_driver()
         cmd_run(args)
     elif args.command == "engine":
         engine_main(args)

@@ -4,7 +4,12 @@ what the next lease's tables are computed from must keep parsing what the engine
 from __future__ import annotations
 
 import json
+import os
+import re
+import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,3 +124,133 @@ def test_bench_reports_the_triton_kernels_each_run_compiled(tmp_path, monkeypatc
     for key in ("a1", "b2", "c3"):  # Triton keeps one directory per compiled kernel
         (cache / key).mkdir(parents=True)
     assert gpu_pd_e2e.triton_cache_entries() == 3
+
+
+FOURTH = ROOT / "results" / "gpu" / "2026-11-29d" / "raw"
+
+
+def test_bench_leaves_out_rounds_that_compiled_triton_kernels():
+    """Fourth lease, fresh host: NixlConnector's first PD engine compiled 13 Triton kernels
+    and took 4.61 s for its first batch; the round after, nothing compiled, 1.94 s."""
+    nixl = bench_pd_gpu.timings(FOURTH / "a")["nixl:g4tiny/plain"]
+    assert nixl["kernels_rounds"] == [13, 0]
+    assert nixl["cold_rounds"] == [True, False] and nixl["first_rounds"][0] > 4
+    assert nixl["first"] == nixl["first_rounds"][1]  # the median of the warm round alone
+    assert len(nixl["steady_rounds"]) == 1  # the cold round's steady batches left out too
+    assert "(4.61*, 1.94)" in bench_pd_gpu.report(FOURTH / "a")
+    ours = bench_pd_gpu.timings(FOURTH / "a")["g4tiny/plain"]
+    assert ours["cold_rounds"] == [False, False] and [len(r) for r in ours["steady_rounds"]] == [
+        8,
+        8,
+    ]
+
+
+def test_bench_pools_the_steady_batches_of_several_runs():
+    runs = [FOURTH / r for r in "abcd"]
+    t = bench_pd_gpu.timings(*runs)
+    # 8 rounds of ours (2 + 2 + 1 + 3), 7 warm of NixlConnector's, 8 steady batches each
+    assert len(t["g4tiny/plain"]["steady_rounds"]) == 8
+    assert len(t["nixl:g4tiny/plain"]["steady_rounds"]) == 7
+    pooled = bench_pd_gpu.pooled_steady_ratio(t, "g4tiny/plain", "nixl:g4tiny/plain")
+    m = re.fullmatch(r"([\d.]+)x \[([\d.]+)-([\d.]+)\] \(8 / 7 rounds\)", pooled)
+    assert m and float(m[2]) <= float(m[1]) <= float(m[3]), pooled
+    ours, nixl = (
+        statistics.median(bench_pd_gpu.all_batches(t[c]["steady_rounds"]))
+        for c in ("g4tiny/plain", "nixl:g4tiny/plain")
+    )
+    assert m[1] == f"{ours / nixl:.2f}"
+    assert bench_pd_gpu.pooled_steady_ratio(t, "g4tiny/plain", "no/such-cell") == "n/a"
+    table = bench_pd_gpu.report(*runs)
+    assert f"| ours plain / NixlConnector plain | 0.83x | 1.00x | {pooled} | <= 1.0 |" in table
+    # every round side by side, the one that compiled kernels starred
+    assert "| a/round0* | 1.142 / 0.499 | 4.610 / 0.508 | 0.25x / 0.98x |" in table
+    assert "| d/round2 | 1.631 / 0.668 | 1.847 / 0.604 | 0.88x / 1.11x |" in table
+
+
+def test_a_cell_whose_engine_failed_is_reported_failed():
+    """Fourth lease: the LMCache cell rerun into the directory of a finished run found that
+    run's `stop` file, its prefill engine ended at once and decode failed (rc 1); the
+    results left there from the earlier run must not read as this one's."""
+    failed = gpu_pd_e2e.report([FOURTH / "lm"])
+    assert "| lmcache:g4uniform/cross-layer | FAILED (rc 0/1) | n/a | n/a | n/a | n/a |" in failed
+    earlier = gpu_pd_e2e.report([FOURTH / "lm", FOURTH / "lm2"])  # the earlier run: rc 0/0
+    assert "| lmcache:g4uniform/cross-layer | 4/4 | 36/36 | 0/4 |" in earlier
+    assert bench_pd_gpu._timings_of_one_run(FOURTH / "lm")["lmcache:g4uniform/cross-layer"] == {
+        "failed": 1.0
+    }
+
+
+def test_a_rerun_starts_from_a_work_dir_without_earlier_outputs(tmp_path):
+    work = tmp_path / "g4tiny__plain"
+    (work / "g4tiny").mkdir(parents=True)
+    (work / "g4tiny" / "config.json").write_text("{}")
+    for name in gpu_pd_e2e.RUN_OUTPUTS:
+        (work / name).write_text("from an earlier run")
+    gpu_pd_e2e.fresh_work_dir(work)
+    assert sorted(p.name for p in work.iterdir()) == ["g4tiny"]
+    assert (work / "g4tiny" / "config.json").exists()
+
+
+def test_a_stopped_driver_takes_its_engines_with_it():
+    """Engines run in their own sessions; what the driver started goes when it stops, child
+    processes included, so no engine keeps GPU memory into the next command."""
+    proc = gpu_pd_e2e._started(
+        subprocess.Popen(
+            ["bash", "-c", "sleep 60 & echo $! ; wait"],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+    )
+    grandchild = int(proc.stdout.readline())
+    gpu_pd_e2e.stop_started_processes()
+    assert proc.poll() == -9 and not gpu_pd_e2e._STARTED
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _alive(grandchild):
+        time.sleep(0.05)
+    assert not _alive(grandchild)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = (
+        Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}").exists() else "X"
+    )
+    return state != "Z"
+
+
+def test_sigterm_to_the_driver_stops_its_engines():
+    """`timeout` stops a driver with SIGTERM: the engines it started go with it."""
+    driver = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; sys.path.insert(0, sys.argv[1]); import gpu_pd_e2e as e;"
+            "e.stop_with_the_driver();"
+            "p = e._started(subprocess.Popen(['sleep', '60'], start_new_session=True));"
+            "print(p.pid, flush=True); time.sleep(60)",
+            str(ROOT / "scripts"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    engine = int(driver.stdout.readline())
+    driver.terminate()
+    assert driver.wait(timeout=10) == 128 + 15
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _alive(engine):
+        time.sleep(0.05)
+    assert not _alive(engine)
+
+
+def test_one_round_gives_no_interval():
+    """One run of each cell: batches of one round move together, so no interval is given
+    (batches resampled as if independent gave 1.47x [1.13-1.70] for run c, which the other
+    seven rounds contradict)."""
+    t = bench_pd_gpu.timings(FOURTH / "c")
+    assert bench_pd_gpu.pooled_steady_ratio(t, "g4tiny/plain", "nixl:g4tiny/plain") == (
+        "1.47x, too few rounds for an interval (1 / 1 rounds)"
+    )
