@@ -83,10 +83,20 @@ def timings(*outs: Path) -> dict[str, dict]:
     host's first-use cost (the first PD engine on a fresh host: 4.6 s for NixlConnector, 3.2-4.4 s
     for ours) that says nothing of the connector: it is flagged in ``cold_rounds`` and left
     out of the medians, unless every round of the cell was such a round."""
-    per_round = []
+    return _aggregate([t for _, t in each_round(outs)])
+
+
+def each_round(outs: tuple[Path, ...]) -> list[tuple[str, dict[str, dict]]]:
+    """(label, timings) of every round of every run, in order: a run's top level (its
+    colocated engines, or its cells when it has no rounds), then its out/round*/."""
+    found = []
     for out in outs:
         rounds = sorted(out.glob("round*/"), key=lambda p: int(p.name[len("round") :]))
-        per_round += [_timings_of_one_run(r) for r in [out, *rounds]]
+        found += [(str(r.relative_to(out.parent)), _timings_of_one_run(r)) for r in [out, *rounds]]
+    return found
+
+
+def _aggregate(per_round: list[dict[str, dict]]) -> dict[str, dict]:
     result: dict[str, dict] = {}
     for name in sorted({n for t in per_round for n in t}):
         samples = [t[name] for t in per_round if name in t and "failed" not in t[name]]
@@ -187,25 +197,22 @@ def pooled_steady_ratio(t: dict, a: str, b: str, resamples: int = 10_000) -> str
     return f"{point:.2f}x [{low:.2f}-{high:.2f}] {counts}"
 
 
-def rounds_side_by_side(outs: tuple[Path, ...], a: str, b: str) -> list[str]:
+def rounds_side_by_side(rounds: list[tuple[str, dict[str, dict]]], a: str, b: str) -> list[str]:
     """Cells a and b in each round that ran both: how far one round's ratio is from another's."""
     lines = [
         f"| round | {a} first / steady s | {b} first / steady s | ratio first / steady |",
         "|---|---|---|---|",
     ]
-    for out in outs:
-        rounds = sorted(out.glob("round*/"), key=lambda p: int(p.name[len("round") :]))
-        for run in rounds or [out]:
-            t = _timings_of_one_run(run)
-            x, y = t.get(a, {}), t.get(b, {})
-            if "first" not in x or "first" not in y:
-                continue
-            cold = "*" if x.get("kernels") or y.get("kernels") else ""
-            lines.append(
-                f"| {run.relative_to(out.parent)}{cold} | {x['first']:.3f} / {x['steady']:.3f} "
-                f"| {y['first']:.3f} / {y['steady']:.3f} | {x['first'] / y['first']:.2f}x / "
-                f"{x['steady'] / y['steady']:.2f}x |"
-            )
+    for label, t in rounds:
+        x, y = t.get(a, {}), t.get(b, {})
+        if "first" not in x or "first" not in y:
+            continue
+        cold = "*" if x.get("kernels") or y.get("kernels") else ""
+        lines.append(
+            f"| {label}{cold} | {x['first']:.3f} / {x['steady']:.3f} "
+            f"| {y['first']:.3f} / {y['steady']:.3f} | {x['first'] / y['first']:.2f}x / "
+            f"{x['steady'] / y['steady']:.2f}x |"
+        )
     return lines if len(lines) > 2 else []
 
 
@@ -216,7 +223,8 @@ def ratio(t: dict, a: str, b: str, key: str) -> str:
 
 
 def report(*outs: Path) -> str:
-    t = timings(*outs)
+    rounds = each_round(outs)
+    t = _aggregate([timings_of_round for _, timings_of_round in rounds])
     lines = [
         "| cell | first batch s median (each round; * compiled Triton kernels, left out) "
         "| steady batch s median [min-max] "
@@ -295,7 +303,7 @@ def report(*outs: Path) -> str:
             f"| {label} | {ratio(t, a, b, 'first')} | {ratio(t, a, b, 'steady')} "
             f"| {pooled_steady_ratio(t, a, b)} | {target} |"
         )
-    side_by_side = rounds_side_by_side(outs, "g4tiny/plain", "nixl:g4tiny/plain")
+    side_by_side = rounds_side_by_side(rounds, "g4tiny/plain", "nixl:g4tiny/plain")
     if side_by_side:
         lines += ["", "Each round (* its engines compiled Triton kernels):", "", *side_by_side]
     return "\n".join(lines)
