@@ -11,8 +11,9 @@ Options in ``kv_connector_extra_config``:
   cross-layer blocks layout where it can (single KV cache group).
 * ``read_log`` (a path, default none): decode appends one JSON line per finished read
   (request, bytes, blocks, descriptors, seconds), to set READ time against request latency.
-* ``backend`` (``"nixl"``, default, or ``"lmcache"``) and ``lmcache`` (its options, see
-  docs/lmcache.md): move KV through LMCache instead of direct NIXL reads.
+* ``backend`` (``nixl``, the default, or ``lmcache``; see ``kvshare_connector.backends``) and
+  ``lmcache`` (its options, see docs/lmcache.md): move KV through LMCache instead of direct
+  NIXL reads.
 """
 
 from __future__ import annotations
@@ -28,11 +29,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvshare_connector import kvcached
-from kvshare_connector.log import get_logger
-from kvshare_connector.scheduler import KVShareMetadata, KVShareScheduler
-from kvshare_connector.stats import KVShareStats
-from kvshare_connector.worker import KVShareWorker, KVShareWorkerMeta
+from kvshare_connector.backends import create_backend
+from kvshare_connector.backends.base import WorkerContext
+from kvshare_connector.common.log import get_logger
+from kvshare_connector.layout import kvcached
+from kvshare_connector.transfer.side_channel import resolve_secret
+from kvshare_connector.vllm.adapter import engine_identity
+from kvshare_connector.vllm.metadata import KVShareMetadata, KVShareWorkerMeta
+from kvshare_connector.vllm.prometheus import KVSharePromMetrics
+from kvshare_connector.vllm.scheduler import KVShareScheduler
+from kvshare_connector.vllm.stats import KVShareStats
+from kvshare_connector.vllm.worker import KVShareWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -47,6 +54,7 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
+DEFAULT_STAGING_MIB = 512
 
 
 class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
@@ -69,14 +77,7 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         host = envs.VLLM_NIXL_SIDE_CHANNEL_HOST
         port = envs.VLLM_NIXL_SIDE_CHANNEL_PORT + vllm_config.parallel_config.data_parallel_index
         lease_s = float(extra.get("kv_lease_duration", 30))
-        backend = extra.get("backend", "nixl")
-        if backend not in ("nixl", "lmcache"):
-            raise ValueError(f"KVShareConnector: backend {backend!r} not in ('nixl', 'lmcache')")
-        lmcache_config = None
-        if backend == "lmcache":  # parsed in both roles: bad options fail at start-up
-            from kvshare_connector.lmcache_backend import LMCacheBackendConfig
-
-            lmcache_config = LMCacheBackendConfig.from_extra_config(extra)
+        backend = create_backend(extra)  # in both roles: bad options fail at start-up
         self._cross_layer = bool(extra.get("cross_layer_blocks", not kvcached.kvcached_enabled()))
         self.scheduler: KVShareScheduler | None = None
         self.worker: KVShareWorker | None = None
@@ -85,18 +86,22 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
                 vllm_config, kv_cache_config, self.engine_id, host, port, lease_s, backend
             )
         else:
+            model = vllm_config.model_config
+            context = WorkerContext(
+                engine_id=self.engine_id,
+                role=config.kv_role,
+                host=host,
+                port=port,
+                lease_s=lease_s,
+                handshake_timeout_s=float(extra.get("handshake_timeout_s", 10)),
+                transfer_timeout_s=float(extra.get("transfer_timeout_s", 60)),
+                model_name=model.served_model_name or model.model,
+                side_channel_secret=resolve_secret(extra),
+                engine_identity=engine_identity(vllm_config),
+                staging_bytes=int(float(extra.get("staging_mib", DEFAULT_STAGING_MIB)) * 2**20),
+            )
             self.worker = KVShareWorker(
-                vllm_config,
-                kv_cache_config,
-                self.engine_id,
-                config.kv_role,
-                host,
-                port,
-                lease_s,
-                float(extra.get("handshake_timeout_s", 10)),
-                float(extra.get("transfer_timeout_s", 60)),
-                lmcache_config,
-                extra.get("read_log"),
+                vllm_config, kv_cache_config, backend, context, extra.get("read_log")
             )
 
     @property
@@ -149,7 +154,19 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker.worker_meta()
 
     def get_kv_connector_stats(self) -> KVShareStats | None:
-        return self.worker.take_stats() if self.worker is not None else None
+        if self.worker is not None:
+            return self.worker.take_stats()
+        return self.scheduler.take_stats() if self.scheduler is not None else None
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVSharePromMetrics:
+        return KVSharePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVShareStats:

@@ -7,7 +7,7 @@
 
 The tokenizer (byte-level BPE trained on a fixed corpus with the `tokenizers` library) has
 exactly the model's vocab size (<= 4096 for the tiny Gemma-4 configs), pad 0 / eos 1 / bos 2,
-and a Gemma-style chat template; see kvshare_connector/pd_tokenizer.py.
+and a Gemma-style chat template; see kvshare_connector/toolkit/tokenizer.py.
 """
 
 import argparse
@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvshare_connector.pd_tokenizer import make_model_dir
+from kvshare_connector.toolkit.tokenizer import make_model_dir
 
 
 def main() -> int:

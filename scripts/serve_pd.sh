@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Start prefill + decode `vllm serve` with KVShareConnector and the PD proxy; Ctrl-C stops all.
 #   scripts/serve_pd.sh MODEL [options] [-- extra vllm serve args]
-# Options: `python -m kvshare_connector.cli serve-pd --help`. PYTHON selects the interpreter.
+# Options: `python -m kvshare_connector.toolkit.cli serve-pd --help`. PYTHON selects the interpreter.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="${ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
-exec "${PYTHON:-python}" -m kvshare_connector.cli serve-pd "$@"
+exec "${PYTHON:-python}" -m kvshare_connector.toolkit.cli serve-pd "$@"

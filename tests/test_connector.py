@@ -1,7 +1,7 @@
 """KVShareConnector inside vLLM's own machinery: factory, scheduler, worker hooks, NIXL.
 
 The two-process tests run vLLM's real ``Scheduler`` with the connector in both roles and
-drive the worker side the way the model runner does (``tests/engine_sim.py``); only the
+drive the worker side the way the model runner does (``tests/support/engine_sim.py``); only the
 model forward is emulated (it writes a known pattern into the blocks vLLM allocated).
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from .engine_sim import READY, RESULT, Engine, decode_requests, start_prefill
+from .support.engine_sim import READY, RESULT, Engine, decode_requests, start_prefill
 
 ROOT = str(Path(__file__).resolve().parents[1])
 
@@ -151,7 +151,7 @@ def test_unreachable_prefill_and_malformed_params_are_computed_locally(engines):
     assert report["d0"]["tokens"] and report["d1"]["tokens"]
     pool = decode.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
-    assert decode.worker.worker.sink.in_flight == set()
+    assert decode.worker.worker.backend.in_flight() == set()
 
 
 def test_decode_that_never_comes_releases_the_lease():
@@ -189,8 +189,8 @@ def test_pd_through_lmcache_backend(monkeypatch, engines):
     """Prefill stores owner layers' KV in LMCache (an lm:// server) in the step that computes
     it and holds no blocks; decode loads it into its own blocks through vLLM's scheduler."""
     pytest.importorskip("lmcache")
-    from .engine_sim import lmcache_extra
-    from .lmcache_util import QUIET_ENV, running_lm_server
+    from .support.engine_sim import lmcache_extra
+    from .support.lmcache_util import QUIET_ENV, running_lm_server
 
     monkeypatch.setenv("PYTHONHASHSEED", "0")  # both sides: LMCache's hash chain seed
     for key, value in QUIET_ENV.items():
@@ -220,7 +220,7 @@ def test_pd_through_lmcache_backend(monkeypatch, engines):
                 free_port(),
                 lmcache_extra(url),
                 connector="LoadSkippingConnector",
-                module_path="tests.negative_control",
+                module_path="tests.support.negative_control",
             )
             # (decode's scheduler turned do_remote_prefill off in the params it was given)
             again = dict(ready["requests"]["p0"]["kv_transfer_params"], do_remote_prefill=True)

@@ -5,16 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvshare_connector import kvcheck
-from kvshare_connector.cpu_stack import build_cpu_stack, topology_of
-from kvshare_connector.descriptors import (
+from kvshare_connector.devtools import kvcheck
+from kvshare_connector.devtools.cpu_stack import build_cpu_stack, topology_of
+from kvshare_connector.layout.descriptors import (
     DescriptorError,
     request_descriptors,
     transfer_descriptors,
 )
-from kvshare_connector.matching import pair_owners
+from kvshare_connector.layout.matching import pair_owners
 
-from .blockutil import disjoint_block_ids, memmove_rows, zero_regions
+from .support.blockutil import disjoint_block_ids, memmove_rows, zero_regions
 
 CASES = [
     ("gemma4_e2b_shape", "per_layer"),
@@ -126,7 +126,7 @@ def test_block_ids_out_of_range(stack_topology):
 
 def _geometry(base: int, stride: int, kv_stride: int, device: int = -1):
     """A block of K then V (2 x 64 bytes here), ``kv_stride`` bytes apart."""
-    from kvshare_connector.topology import BlockGeometry, Dim
+    from kvshare_connector.layout.topology import BlockGeometry, Dim
 
     dims = (Dim("kv", 2, kv_stride), Dim("token", 64, 1))
     return BlockGeometry(base, stride, dims, 1, 1, device)
@@ -136,7 +136,7 @@ def _geometry(base: int, stride: int, kv_stride: int, device: int = -1):
 def test_one_broadcast_per_group_equals_one_owner_at_a_time(block_major):
     """The fast path (owners cut alike: one broadcast) and the general one (owners cut
     differently: per owner) name the same slabs in the same order."""
-    from kvshare_connector.descriptors import _Cut, slab_addresses
+    from kvshare_connector.layout.descriptors import _Cut, slab_addresses
 
     ids = np.array([7, 3, 4, 5, 0, 9], dtype=np.int64)
     alike = [_geometry(1 << 20, 4096, 128), _geometry(2 << 20, 4096, 128)]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RAW = ROOT / "results" / "gpu" / "2026-11-29b" / "raw"
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 
 import bench_pd_gpu  # noqa: E402
 import gpu_pd_e2e  # noqa: E402
@@ -43,6 +43,13 @@ def test_registration_lines_of_both_backends():
         "6 owners handed to LMCache / 4 sharers not"
     )
     assert gpu_pd_e2e.registration(["an unrelated line"]) == "-"
+    # The line since the backends split: the seconds follow the brackets.
+    line = (
+        "KVShareConnector e (kv_consumer, per_layer layout, backend NixlWorker): registered 6 "
+        "owner layer(s) in 1 region(s) (12.0 MiB) in 0.41 s from 10 tensor(s) handed over; "
+        "4 sharing layer(s) not registered"
+    )
+    assert gpu_pd_e2e.registration([line]) == "6 owners / 4 sharers skipped (1 region, 0.41 s)"
 
 
 def test_lmcache_hit_tokens_summed_from_its_log_lines():
@@ -232,7 +239,7 @@ def test_sigterm_to_the_driver_stops_its_engines():
             "e.stop_with_the_driver();"
             "p = e._started(subprocess.Popen(['sleep', '60'], start_new_session=True));"
             "print(p.pid, flush=True); time.sleep(60)",
-            str(ROOT / "scripts"),
+            str(ROOT / "benchmarks" / "gpu"),
         ],
         stdout=subprocess.PIPE,
         text=True,

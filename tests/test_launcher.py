@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvshare_connector.launcher import (
+from kvshare_connector.toolkit.launcher import (
     CONNECTOR_MODULE,
     CONNECTOR_NAME,
     LAYOUT_KEY,
@@ -26,9 +26,14 @@ from kvshare_connector.launcher import (
     plan_colocated,
     plan_pd,
 )
-from kvshare_connector.pd_procs import LaunchError, ManagedProcess, pick_free_port, stop_processes
+from kvshare_connector.toolkit.procs import (
+    LaunchError,
+    ManagedProcess,
+    pick_free_port,
+    stop_processes,
+)
 
-FAKE = Path(__file__).resolve().parent / "fake_vllm_server.py"
+FAKE = Path(__file__).resolve().parent / "support" / "fake_vllm_server.py"
 FAKE_CMD = (
     f"{{python}} {shlex.quote(str(FAKE))} {{model}} --role {{role}} --host {{host}} --port {{port}}"
 )
@@ -254,7 +259,7 @@ def _serve_pd_cli(tmp_path: Path, ready: Path) -> subprocess.Popen[bytes]:
     argv = [
         sys.executable,
         "-m",
-        "kvshare_connector.cli",
+        "kvshare_connector.toolkit.cli",
         "serve-pd",
         "fake-model",
         "--server-cmd",
@@ -340,9 +345,9 @@ def test_cli_serve_pd_exits_when_a_server_dies(tmp_path: Path) -> None:
 
 
 def test_cli_plugs_in_the_optional_demo_module(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvshare_connector import cli
+    from kvshare_connector.toolkit import cli
 
-    demo = types.ModuleType("kvshare_connector.demo")
+    demo = types.ModuleType("kvshare_connector.devtools.demo")
 
     def add_parser(sub) -> None:
         p = sub.add_parser("demo")
@@ -350,10 +355,10 @@ def test_cli_plugs_in_the_optional_demo_module(monkeypatch: pytest.MonkeyPatch) 
         p.set_defaults(func=lambda args: 40 + args.n)
 
     demo.add_parser = add_parser  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "kvshare_connector.demo", demo)
+    monkeypatch.setitem(sys.modules, "kvshare_connector.devtools.demo", demo)
     assert cli.main(["demo", "--n", "2"]) == 42
     # Without the module, the other subcommands still work and `demo` is unknown.
-    monkeypatch.setitem(sys.modules, "kvshare_connector.demo", None)
+    monkeypatch.setitem(sys.modules, "kvshare_connector.devtools.demo", None)
     parser = cli.build_parser()
     assert parser.parse_args(["sweep", "x.yaml"]).command == "sweep"
     with pytest.raises(SystemExit):
@@ -361,7 +366,7 @@ def test_cli_plugs_in_the_optional_demo_module(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_cli_rejects_vllm_args_for_the_proxy() -> None:
-    from kvshare_connector import cli
+    from kvshare_connector.toolkit import cli
 
     with pytest.raises(SystemExit):
         cli.main(["proxy", "--prefill", "http://a", "--decode", "http://b", "--", "--x"])
@@ -370,7 +375,7 @@ def test_cli_rejects_vllm_args_for_the_proxy() -> None:
 def test_wait_for_port_returns_once_listening_and_names_a_dead_or_silent_server():
     import socket
 
-    from kvshare_connector.child_process import wait_for_port
+    from kvshare_connector.common.child_process import wait_for_port
 
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
@@ -384,7 +389,7 @@ def test_wait_for_port_returns_once_listening_and_names_a_dead_or_silent_server(
 
 
 def test_write_atomic_replaces_whole_and_leaves_no_temporary(tmp_path: Path) -> None:
-    from kvshare_connector.files import write_atomic
+    from kvshare_connector.common.files import write_atomic
 
     path = tmp_path / "ready.json"
     write_atomic(path, '{"a": 1}')

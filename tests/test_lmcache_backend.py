@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .lmcache_util import (
+from .support.lmcache_util import (
     QUIET_ENV,
     build,
     config,
@@ -32,23 +32,25 @@ from .lmcache_util import (
 quiet_lmcache()
 pytest.importorskip("lmcache", reason="LMCache is an optional extra: pip install .[lmcache]")
 
-from kvshare_connector import kvcheck  # noqa: E402
-from kvshare_connector.child_process import Child  # noqa: E402
-from kvshare_connector.lmcache_backend import (  # noqa: E402
+from kvshare_connector.backends.lmcache.config import LMCacheBackendConfig  # noqa: E402
+from kvshare_connector.backends.lmcache.errors import (  # noqa: E402
     HashSeedMismatch,
-    LMCacheBackend,
-    LMCacheBackendConfig,
     LMCacheConfigError,
     LMCacheLoadError,
     LMCacheStoreError,
+)
+from kvshare_connector.backends.lmcache.rows import (  # noqa: E402
     lmcache_v1_bytes_per_token,
     owner_bytes_per_token,
     streams_of,
 )
-from kvshare_connector.matching import LayoutMismatch  # noqa: E402
+from kvshare_connector.backends.lmcache.store import LMCacheStore  # noqa: E402
+from kvshare_connector.common.child_process import Child  # noqa: E402
+from kvshare_connector.devtools import kvcheck  # noqa: E402
+from kvshare_connector.layout.matching import LayoutMismatch  # noqa: E402
 
-from .blockutil import zero_regions  # noqa: E402
-from .lmcache_peer import STORED  # noqa: E402
+from .support.blockutil import zero_regions  # noqa: E402
+from .support.lmcache_peer import STORED  # noqa: E402
 
 MODELS = ("g4tiny", "g4uniform", "gemma4_e2b_shape")
 REPO = str(Path(__file__).resolve().parents[1])
@@ -76,7 +78,7 @@ def peer(lm_server):
     child = Child(
         [
             "-m",
-            "tests.lmcache_peer",
+            "tests.support.lmcache_peer",
             "--url",
             lm_server,
             "--tokens",
@@ -98,11 +100,11 @@ def peer(lm_server):
 @pytest.fixture
 def backends():
     """Backends made by a test, closed after it."""
-    made: list[LMCacheBackend] = []
+    made: list[LMCacheStore] = []
 
     def make(cfg, model: str, layout: str, kv_mib: int = 32, tag: str | None = None):
         _, topology, tensors = build(model, layout, kv_mib)
-        backend = LMCacheBackend(cfg, topology, tensors, tag or model, engine_id=layout)
+        backend = LMCacheStore(cfg, topology, tensors, tag or model, engine_id=layout)
         made.append(backend)
         return backend
 

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvshare_connector.proxy import (
+from kvshare_connector.toolkit.proxy import (
     PREFILL_KV_PARAMS,
     ProxyTimeouts,
     count_prompts,
@@ -21,7 +21,7 @@ from kvshare_connector.proxy import (
     make_prefill_body,
 )
 
-from .fake_vllm_server import ThreadServer, fake_server, fake_text
+from .support.fake_vllm_server import ThreadServer, fake_server, fake_text
 
 FAST = ProxyTimeouts(connect=2.0, read=5.0, health=1.0)
 QUESTION = "Question: What is 4 + 5?\nAnswer:"

@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from kvshare_connector import pd_report
-from kvshare_connector.pd_lmeval import EvalSpec, agreement, lm_eval_argv, parse_output
-from kvshare_connector.pd_report import write_reports
-from kvshare_connector.sweep import SweepEntry, compare_probes, judge, load_sweep
+from kvshare_connector.toolkit import report as pd_report
+from kvshare_connector.toolkit.lmeval import EvalSpec, agreement, lm_eval_argv, parse_output
+from kvshare_connector.toolkit.report import write_reports
+from kvshare_connector.toolkit.sweep import SweepEntry, compare_probes, judge, load_sweep
 
-from .fake_vllm_server import fake_answer
+from .support.fake_vllm_server import fake_answer
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "scripts" / "sweep_configs"
-FAKE = Path(__file__).resolve().parent / "fake_vllm_server.py"
+FAKE = Path(__file__).resolve().parent / "support" / "fake_vllm_server.py"
 FAKE_CMD = (
     f"{{python}} {shlex.quote(str(FAKE))} {{model}} --role {{role}} --host {{host}} --port {{port}}"
 )
@@ -367,7 +367,7 @@ def test_whole_sweep_against_fake_servers_with_real_lm_eval(tmp_path: Path) -> N
 def test_a_configuration_that_fails_to_start_is_reported_and_the_sweep_goes_on(
     tmp_path: Path,
 ) -> None:
-    from kvshare_connector.sweep import run_sweep
+    from kvshare_connector.toolkit.sweep import run_sweep
 
     slow = ["--startup-delay", "30"]  # the fake server never gets ready in time
     entries = [

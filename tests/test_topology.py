@@ -7,8 +7,7 @@ from importlib import resources
 
 import pytest
 
-from kvshare_connector import vllm_adapter
-from kvshare_connector.topology import (
+from kvshare_connector.layout.topology import (
     GroupSpec,
     LayerSpec,
     TensorView,
@@ -16,13 +15,14 @@ from kvshare_connector.topology import (
     build_topology,
     resolve_sharing,
 )
+from kvshare_connector.vllm import adapter as vllm_adapter
 
 
 def gemma4_sharing_rule(model: str) -> dict[str, str]:
     """Gemma-4's rule, from its config alone: the last ``num_kv_shared_layers`` layers read
     the KV of the last earlier layer of the same attention type."""
     config = json.loads(
-        resources.files("kvshare_connector").joinpath("models", f"{model}.json").read_text()
+        resources.files("kvshare_connector.devtools.models").joinpath(f"{model}.json").read_text()
     )
     types = config["layer_types"]
     first_shared = config["num_hidden_layers"] - config["num_kv_shared_layers"]
@@ -129,8 +129,8 @@ def test_module_import_is_pure():
     import sys
 
     code = (
-        "import sys, kvshare_connector.topology, kvshare_connector.descriptors, "
-        "kvshare_connector.protocol; "
+        "import sys, kvshare_connector.layout.topology, kvshare_connector.layout.descriptors, "
+        "kvshare_connector.transfer.protocol; "
         "bad = [m for m in ('vllm', 'nixl', 'nixl_cu13', 'torch') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )

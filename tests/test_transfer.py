@@ -23,12 +23,14 @@ import numpy as np
 import pytest
 import zmq
 
-from kvshare_connector import kvcheck, protocol
-from kvshare_connector.demo import build, read_and_check, request_block_ids
-from kvshare_connector.descriptors import request_descriptors
-from kvshare_connector.side_channel import ask
+from kvshare_connector.devtools import kvcheck
+from kvshare_connector.devtools.demo import build, read_and_check, request_block_ids
+from kvshare_connector.layout.descriptors import request_descriptors, transfer_descriptors
+from kvshare_connector.layout.matching import EngineIdentity, pair_owners
+from kvshare_connector.transfer import protocol
+from kvshare_connector.transfer.side_channel import ask
 
-from .transfer_peer import PeerProcess
+from .support.transfer_peer import PeerProcess
 
 TOKENS = 300  # g4tiny: 5 blocks in each sliding group (window 128), 19 in the full group
 E2B = "gemma4_e2b_shape"
@@ -48,8 +50,16 @@ PEER_SOURCES = [
     {"name": "e2b_kvc", "model": E2B, "layout": "kvcached_contiguous", "requests": 2,
      "seed": 400},
     {"name": "e2b_pl", "model": E2B, "layout": "per_layer", "requests": 1, "seed": 500},
+    # Packs each held request into a staging area: read as a few large runs.
+    {"name": "e2b_packed", "model": E2B, "layout": "kvcached_contiguous", "requests": 3,
+     "seed": 800, "packed_mib": 16},
     {"name": "lease", "model": "g4tiny", "layout": "per_layer", "requests": 1, "lease_s": 1.5,
      "kv_mib": 8, "seed": 600},
+    # Says which model it runs: decode compares the identity with its own.
+    {"name": "ident", "model": "g4tiny", "layout": "per_layer", "requests": 2, "seed": 700,
+     "identity": {"model": "google/gemma-4-E2B-it", "model_config_hash": "c0ffee",
+                  "dtype": "bfloat16", "cache_dtype": "auto", "block_size": 16,
+                  "vllm_version": "0.26.0"}},
 ]  # fmt: skip
 for _spec in PEER_SOURCES:
     _spec.setdefault("tokens", TOKENS)
@@ -93,13 +103,35 @@ def peers():
 class Decoder:
     """One decode engine's KV memory (vLLM's real objects) and its ``KVSink``."""
 
-    def __init__(self, model: str, layout: str, kv_mib: int, handshake_s: float, name: str):
-        from kvshare_connector.transfer import KVSink
-        from kvshare_connector.transport.nixl import NixlTransport
+    def __init__(
+        self,
+        model: str,
+        layout: str,
+        kv_mib: int,
+        handshake_s: float,
+        name: str,
+        identity: EngineIdentity | None = None,
+        packed_mib: int = 0,
+    ):
+        from kvshare_connector.transfer.nixl import NixlTransport
+        from kvshare_connector.transfer.packing import MemoryMap, Packer, StagingArea
+        from kvshare_connector.transfer.sink import KVSink
 
         self.stack, self.topology = build(model, layout, kv_mib, 2048)
         self.transport = NixlTransport(f"decode-{name}-{os.getpid()}")
-        self.sink = KVSink(f"decode-{name}", self.topology, self.transport, handshake_s, TRANSFER_S)
+        packer = None
+        if packed_mib:
+            staging = StagingArea(packed_mib << 20, "cpu")
+            packer = Packer(MemoryMap(self.stack.kv_caches.values()), staging)
+        self.sink = KVSink(
+            f"decode-{name}",
+            self.topology,
+            self.transport,
+            handshake_s,
+            TRANSFER_S,
+            identity,
+            packer=packer,
+        )
 
     def zero(self) -> None:
         for region in self.topology.regions:
@@ -145,11 +177,20 @@ def decoders(peers):
     """
     made: dict[tuple[str, ...], Decoder] = {}
 
-    def get(model: str, layout: str, kv_mib: int | None = None, handshake_s=HANDSHAKE_S):
+    def get(
+        model: str,
+        layout: str,
+        kv_mib: int | None = None,
+        handshake_s=HANDSHAKE_S,
+        identity: EngineIdentity | None = None,
+        packed_mib: int = 0,
+    ):
         kv_mib = kv_mib or DECODE_KV_MIB[model]
-        key = (model, layout, str(kv_mib), str(handshake_s))
+        key = (model, layout, str(kv_mib), str(handshake_s), repr(identity), str(packed_mib))
         if key not in made:
-            made[key] = Decoder(model, layout, kv_mib, handshake_s, f"{len(made)}")
+            made[key] = Decoder(
+                model, layout, kv_mib, handshake_s, f"{len(made)}", identity, packed_mib
+            )
         return made[key]
 
     yield get
@@ -298,6 +339,45 @@ def test_read_between_memory_layouts(peers, decoders, source, index, model, layo
     assert peers.main.released_event(source, request["request_id"])
 
 
+def test_packed_read_lands_every_block_in_a_few_descriptors(peers, decoders):
+    """Prefill packed each held request into its staging area; a decode with one reads it
+    as a few large runs and scatters it; a decode without one reads block by block."""
+    info = peers.main.source("e2b_packed")
+    packed = decoders(E2B, "per_layer", packed_mib=16)
+    request = info["requests"][0]
+    local_ids = request_block_ids(packed.topology, TOKENS, seed=31)
+    result = packed.read(request, local_ids, new_id("packed"))
+    assert_landed(packed, result, local_ids)
+    record = next(r for r in packed.sink.records if r.bytes == result.bytes and r.packed)
+    direct_rows = len(
+        transfer_descriptors(
+            pair_owners(packed.topology, packed.topology),
+            local_ids,
+            request["kv_transfer_params"]["remote_block_ids"],
+            packed.topology.num_blocks,
+            info["num_blocks"],
+        )[0]
+    )
+    assert record.descriptors * 10 <= direct_rows  # prefill's runs, not one per block
+    assert packed.sink.packer.staging.used == {}  # the slot came back after the scatter
+    assert peers.main.released_event("e2b_packed", request["request_id"])
+
+    # The same check fails on a packed read of the wrong blocks (each group's ids reversed).
+    request = info["requests"][1]
+    wrong_ids = [list(reversed(i)) for i in request["kv_transfer_params"]["remote_block_ids"]]
+    wrong = packed.read(request, local_ids, new_id("packed-wrong"), remote_block_ids=wrong_ids)
+    assert wrong.done, wrong.failure
+    assert wrong.stray == [] and len(wrong.mismatches) > 0
+
+    # A decode without a staging area reads the packed prefill block by block.
+    direct = decoders(E2B, "kvcached_contiguous")
+    request = info["requests"][2]
+    local_ids = request_block_ids(direct.topology, TOKENS, seed=33)
+    result = direct.read(request, local_ids, new_id("unpacked"))
+    assert_landed(direct, result, local_ids)
+    assert not next(r for r in direct.sink.records if r.bytes == result.bytes).packed
+
+
 @pytest.mark.parametrize(
     ("model", "layout", "regions", "owners_per_block"),
     [
@@ -367,6 +447,50 @@ def test_layout_mismatch_fails_and_says_what_differs(
     assert request["request_id"] not in released["held"]
 
 
+def test_engine_identity_mismatch_fails_and_names_each_difference(peers, decoders):
+    """Same KV layout, another model (or dtype, vLLM, ...): refused before a byte moves."""
+    info = peers.main.source("ident")
+    same = EngineIdentity(**next(s for s in PEER_SOURCES if s["name"] == "ident")["identity"])
+    other = EngineIdentity("google/gemma-4-E4B-it", "beef", "float16", "fp8", 16, same.vllm_version)
+    decoder = decoders("g4tiny", "per_layer", identity=other)
+    request = info["requests"][0]
+    local_ids = request_block_ids(decoder.topology, TOKENS, seed=41)
+    result = decoder.read(request, local_ids, new_id("identity"))
+    assert not result.done and result.failure.startswith("LayoutMismatch"), result.failure
+    for line in (
+        "model: local google/gemma-4-E4B-it, remote google/gemma-4-E2B-it",
+        "model_config_hash: local beef, remote c0ffee",
+        "dtype: local float16, remote bfloat16",
+        "cache_dtype: local fp8, remote auto",
+    ):
+        assert line in result.failure, result.failure
+    assert "block_size" not in result.failure and "vllm_version" not in result.failure
+    assert result.bytes == 0 and decoder.untouched()
+
+    # The same identity reads.
+    match = decoders("g4tiny", "per_layer", identity=same)
+    request = info["requests"][1]
+    local_ids = request_block_ids(match.topology, TOKENS, seed=42)
+    assert_landed(match, match.read(request, local_ids, new_id("identity-ok")), local_ids)
+
+
+def test_block_count_mismatch_fails_before_a_byte_moves(peers, decoders):
+    """Decode holds one block fewer than prefill sent in one group: refused, not silently
+    read into the tail."""
+    decoder = decoders("g4tiny", "per_layer")
+    request = peers.main.request("tiny", 5)
+    local_ids = request_block_ids(decoder.topology, TOKENS, seed=43)
+    local_ids[5] = local_ids[5][1:]
+    result = decoder.read(request, local_ids, new_id("count"))
+    assert not result.done
+    assert result.failure.startswith(
+        "BlockIdsMismatch: group 5: prefill sent 19 block(s), decode"
+    ), result.failure
+    assert result.bytes == 0 and decoder.untouched()
+    released = peers.main.released_event("tiny", request["request_id"])  # decode freed it
+    assert request["request_id"] not in released["held"]
+
+
 # ---- the side channel under garbage ---------------------------------------------------
 
 
@@ -411,8 +535,14 @@ def test_prefill_side_channel_answers_garbage_with_errors_and_keeps_serving(peer
             assert message in answer.message, answer.message
         # Messages outside the request envelope are dropped, not answered, not fatal.
         sock.send_multipart([b"no-delimiter"])
-        sock.send_multipart([b"", b"a", b"b"])
+        sock.send_multipart([b"", b"a", b"b", b"c"])
         assert _reply(sock, 0.5) is None
+        # An authenticated message to a side channel without a secret: refused, clearly
+        # (as a refusal, which an authenticating asker reports).
+        sock.send_multipart([b"", b"\x00" * 56, hello])
+        frames = _reply(sock)
+        assert frames is not None and frames[:2] == [b"", b""]
+        assert b"has no side_channel_secret" in frames[2]
     finally:
         sock.close()
     # Raw bytes that are not ZMTP at all: the connection is dropped, the server lives on.

@@ -1,0 +1,419 @@
+#!/usr/bin/env python3
+"""Loopback NIXL READ of E2B-shaped KV between two processes vs a memcpy of the same bytes.
+
+A prefill process (this script, ``--role prefill``) builds vLLM's KV memory for the
+E2B-shaped config (15 owner layers in 5 KV cache groups, 20 sharers; CPU tensors laid out
+as vLLM lays them out), fills ``--batch`` requests of ``--tokens`` tokens and serves them
+through ``KVSource``. This process builds its own KV memory and reads them through
+``KVSink`` over NIXL/UCX on 127.0.0.1, into other block ids. A round reads the whole batch
+(~``--gib`` GiB; one E2B request is at most 131,072 tokens, ~0.76 GiB, since sliding
+groups keep only their window and the full-attention group holds most bytes); rounds
+after the warm-up are timed. In the same process, the same number of bytes is then copied
+by a plain memcpy (numpy) and by a memmove per descriptor into the same local rows.
+The first and the last round read into zeroed memory and are verified: every block of
+every owner holds the byte prefill wrote for its owner and position (a sanity check;
+tests/test_transfer.py checks full patterns on every layer).
+
+    .venv/bin/python benchmarks/bench_transfer.py [--tokens 65536] [--gib 1.0] [--repeat 7]
+        [--warmup 2] [--json results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from kvshare_connector.devtools.demo import blocks_per_group, requests_block_ids
+
+MODEL = "gemma4_e2b_shape"
+LAYOUT = "per_layer"
+READY = "BENCH_PREFILL_READY "
+MAX_MODEL_LEN = 2048  # vLLM's check only; requests here are longer (see blocks_per_group)
+
+
+# ---- KV geometry helpers ----------------------------------------------------------------
+
+
+def request_bytes(topology: Any, tokens: int) -> int:
+    return sum(
+        n * g.spec.page_bytes * len(g.layer_names)
+        for g, n in zip(topology.groups, blocks_per_group(topology, tokens), strict=True)
+    )
+
+
+def disjoint_requests(topology: Any, tokens: int, count: int, seed: int) -> list[list[list[int]]]:
+    try:
+        return requests_block_ids(topology, tokens, count, seed)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+
+
+def segments(topology: Any, ids: list[list[int]]):
+    """``(value, addr, length)`` for every dense segment of every owner block of a request;
+    ``value`` depends on owner and position in the request, never on the block id."""
+    for group, block_ids in zip(topology.groups, ids, strict=True):
+        for index, name in enumerate(group.layer_names):
+            geometry = topology.owners[name].geometry
+            for position, block in enumerate(block_ids):
+                value = 1 + (group.index * 37 + index * 11 + position * 3) % 251
+                start = geometry.base + block * geometry.block_stride
+                for offset in geometry.segment_offsets:
+                    yield value, start + offset, geometry.segment_len
+
+
+def fill(topology: Any, ids: list[list[int]], salt: int) -> None:
+    for value, addr, length in segments(topology, ids):
+        ctypes.memset(addr, (value + salt) % 256, length)
+
+
+def verify(topology: Any, ids: list[list[int]], salt: int) -> int:
+    """Segments that do not hold the expected byte (0 = the read is right)."""
+    bad = 0
+    for value, addr, length in segments(topology, ids):
+        view = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(addr))
+        bad += not bool((view == (value + salt) % 256).all())
+    return bad
+
+
+def build(kv_mib: int) -> tuple[Any, Any]:
+    from kvshare_connector.devtools.demo import build as demo_build
+
+    return demo_build(MODEL, LAYOUT, kv_mib, MAX_MODEL_LEN)
+
+
+# ---- prefill role ----------------------------------------------------------------------
+
+
+def run_prefill(args: argparse.Namespace) -> int:
+    import uuid
+
+    from kvshare_connector.transfer.nixl import NixlTransport
+    from kvshare_connector.transfer.protocol import kv_transfer_params
+    from kvshare_connector.transfer.source import KVSource
+
+    _stack, topology = build(args.kv_mib)  # _stack keeps the KV memory alive
+    batch = disjoint_requests(topology, args.tokens, args.batch, seed=1)
+    for member, ids in enumerate(batch):
+        fill(topology, ids, salt=member)
+    engine_id = f"bench-prefill-{uuid.uuid4().hex[:8]}"
+    source = KVSource(engine_id, topology, NixlTransport(engine_id), "127.0.0.1", 0, lease_s=3600)
+    rounds = []
+    for round_index in range(args.rounds):
+        members = []
+        for member, ids in enumerate(batch):  # every round reads the same blocks again
+            request_id = f"round{round_index}-member{member}"
+            source.hold(request_id, block_ids=ids)
+            members.append(
+                kv_transfer_params(
+                    remote_block_ids=ids,
+                    remote_engine_id=engine_id,
+                    remote_request_id=request_id,
+                    remote_host=source.host,
+                    remote_port=source.port,
+                    remote_num_tokens=args.tokens,
+                )
+            )
+        rounds.append(members)
+    print(READY + json.dumps({"rounds": rounds, "num_blocks": topology.num_blocks}), flush=True)
+
+    closed = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), closed.set()), daemon=True).start()
+    released = 0
+    while not closed.is_set():
+        read, expired = source.poll()
+        released += len(read) + len(expired)
+        time.sleep(0.005)
+    print(f"prefill: {released} request(s) released, {len(source.held)} held", file=sys.stderr)
+    source.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip the interpreter teardown of vLLM and torch
+
+
+# ---- decode side and the measurements ---------------------------------------------------
+
+
+def spawn_prefill(args: argparse.Namespace, kv_mib: int, batch: int) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--role",
+        "prefill",
+        "--tokens",
+        str(args.tokens),
+        "--batch",
+        str(batch),
+        "--rounds",
+        str(args.warmup + args.repeat),
+        "--kv-mib",
+        str(kv_mib),
+    ]
+    return subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL if not args.verbose else None,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+
+
+def wait_ready(process: subprocess.Popen, timeout_s: float) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith(READY):
+                found.update(json.loads(line[len(READY) :]))
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    if not found:
+        raise SystemExit(f"prefill not ready in {timeout_s:g} s (exit code {process.poll()})")
+    return found
+
+
+def read_round(sink: Any, members: list[dict], local: list, tag: str, timeout_s: float) -> float:
+    from kvshare_connector.transfer.protocol import remote_prefill_params
+
+    start = time.perf_counter()
+    pending = set()
+    for index, (params, ids) in enumerate(zip(members, local, strict=True)):
+        request_id = f"{tag}-{index}"
+        sink.request(request_id, remote_prefill_params(params), ids)
+        pending.add(request_id)
+    while pending:
+        done, failed = sink.poll()
+        if failed:
+            raise SystemExit(f"read failed: {failed}")
+        pending -= done
+        if time.perf_counter() - start > timeout_s:
+            raise SystemExit(f"reads {sorted(pending)} did not finish in {timeout_s:g} s")
+    return time.perf_counter() - start
+
+
+def summary(times: list[float], nbytes: int) -> dict[str, float]:
+    median = statistics.median(times)
+    return {
+        "median_s": median,
+        "min_s": min(times),
+        "max_s": max(times),
+        "stdev_s": statistics.stdev(times) if len(times) > 1 else 0.0,
+        "gb_per_s": nbytes / median / 1e9,
+    }
+
+
+def timed(fn, warmup: int, repeat: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def time_memcpy(nbytes: int, warmup: int, repeat: int) -> list[float]:
+    src = np.full(nbytes, 0x33, dtype=np.uint8)
+    dst = np.empty_like(src)
+    return timed(lambda: np.copyto(dst, src), warmup, repeat)
+
+
+def time_memmove(rows: list[np.ndarray], warmup: int, repeat: int) -> list[float]:
+    """Copy a contiguous buffer into the same local rows the READ filled, row by row."""
+    nbytes = sum(int(r[:, 1].sum()) for r in rows)
+    src = np.full(nbytes, 0x33, dtype=np.uint8)
+    flat = np.concatenate(rows)[:, :2].tolist()
+
+    def copy() -> None:
+        src_addr = src.ctypes.data
+        for addr, length in flat:
+            ctypes.memmove(addr, src_addr, length)
+            src_addr += length
+
+    return timed(copy, warmup, repeat)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the prefill child, read every round, time the in-process copies: the results."""
+
+    from kvshare_connector.layout.descriptors import request_descriptors
+    from kvshare_connector.transfer.nixl import NixlTransport
+    from kvshare_connector.transfer.sink import KVSink
+
+    # Geometry first (a small cache), then caches just large enough for the batch.
+    _, probe = build(64)
+    one = request_bytes(probe, args.tokens)
+    batch = args.batch or max(1, round(args.gib * (1 << 30) / one))
+    bytes_per_block = sum(r.nbytes for r in probe.regions) // probe.num_blocks
+    need_blocks = batch * sum(blocks_per_group(probe, args.tokens)) + 64
+    kv_mib = args.kv_mib or math.ceil(need_blocks * bytes_per_block / (1 << 20))
+    prefill = spawn_prefill(args, kv_mib, batch)
+    try:
+        _stack, topology = build(kv_mib)  # while the prefill builds its own
+        transport = NixlTransport(f"bench-decode-{os.getpid()}")
+        sink = KVSink("bench-decode", topology, transport, 60.0, 120.0)
+        local = disjoint_requests(topology, args.tokens, batch, seed=2)
+        ready = wait_ready(prefill, 300)
+        rounds = ready["rounds"]
+
+        read_times = []
+        bad_segments = 0
+        for index, members in enumerate(rounds):
+            checked = index in (0, len(rounds) - 1)  # the first and the last round
+            if checked:
+                for region in topology.regions:
+                    ctypes.memset(region.addr, 0, region.nbytes)
+            seconds = read_round(sink, members, local, f"round{index}", 300)
+            if checked:
+                bad_segments += sum(verify(topology, ids, salt=m) for m, ids in enumerate(local))
+            if index >= args.warmup:
+                read_times.append(seconds)
+        measured = sink.records[batch * args.warmup :]
+        per_round = sum(r.bytes for r in measured[:batch])
+        descriptors = sorted({r.descriptors for r in sink.records})
+        post_to_done = [r.seconds for r in measured]
+        sink.close()
+    finally:
+        if prefill.stdin:
+            prefill.stdin.close()
+        try:
+            prefill.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            prefill.kill()
+            prefill.wait()
+
+    # The same number of bytes, in this process.
+    memcpy_times = time_memcpy(per_round, args.warmup, args.repeat)
+    rows = [request_descriptors(topology, ids) for ids in local]
+    memmove_times = time_memmove(rows, args.warmup, args.repeat)
+
+    read = summary(read_times, per_round)
+    memcpy = summary(memcpy_times, per_round)
+    memmove = summary(memmove_times, per_round)
+    counts = blocks_per_group(topology, args.tokens)
+    results = {
+        "model": MODEL,
+        "owners": len(topology.owners),
+        "sharers": len(topology.sharers),
+        "groups": len(topology.groups),
+        "tokens_per_request": args.tokens,
+        "requests_per_round": batch,
+        "bytes_per_round": per_round,
+        "bytes_per_request": per_round // batch,
+        "blocks_per_request": sum(counts),
+        "blocks_per_request_by_group": counts,
+        "descriptors_per_request": descriptors,
+        "memmove_descriptors_per_request": sorted({len(r) for r in rows}),
+        "kv_cache_mib_per_side": kv_mib,
+        "warmup": args.warmup,
+        "repeat": args.repeat,
+        "verified": bad_segments == 0,
+        "bad_segments": bad_segments,
+        "ucx_tls": os.environ.get("UCX_TLS", "default"),
+        "nixl_read": read,
+        # Per request, posted -> DONE. A round posts its requests one after the other and
+        # most of a READ runs inside NIXL's transfer() call (UCX's CMA copies there), so
+        # the first request of a round also counts the posting of the others.
+        "nixl_read_post_to_done_s": post_to_done,
+        "memcpy": memcpy,
+        "memmove_per_descriptor": memmove,
+        "read_vs_memcpy": read["gb_per_s"] / memcpy["gb_per_s"],
+        "read_vs_memmove_per_descriptor": read["gb_per_s"] / memmove["gb_per_s"],
+    }
+    return results
+
+
+def report(results: dict[str, Any]) -> str:
+    """The markdown tables of ``measure``'s results."""
+    batch, tokens = results["requests_per_round"], results["tokens_per_request"]
+    per_round, bad_segments = results["bytes_per_round"], results["bad_segments"]
+    descriptors, counts = results["descriptors_per_request"], results["blocks_per_request_by_group"]
+    read, memcpy, memmove = (
+        results["nixl_read"],
+        results["memcpy"],
+        results["memmove_per_descriptor"],
+    )
+    lines: list[str] = []
+    gib = per_round / (1 << 30)
+    lines.append(
+        f"E2B-shaped KV ({results['owners']} owner layers in {results['groups']} groups, "
+        f"{results['sharers']} sharers): a round reads {batch} request(s) of {tokens:,} "
+        f"tokens = {gib:.2f} GiB; median of {results['repeat']} rounds after "
+        f"{results['warmup']} warm-up"
+    )
+    lines.append("")
+    lines.append("| copy of the same bytes | median | min - max | stdev | GB/s | vs memcpy |")
+    lines.append("|---|---|---|---|---|---|")
+    for label, s in (
+        ("NIXL READ, 2 processes, UCX on 127.0.0.1", read),
+        ("memmove per descriptor, 1 process", memmove),
+        ("memcpy (numpy, contiguous), 1 process", memcpy),
+    ):
+        lines.append(
+            f"| {label} | {s['median_s'] * 1e3:.0f} ms | {s['min_s'] * 1e3:.0f} - "
+            f"{s['max_s'] * 1e3:.0f} ms | {s['stdev_s'] * 1e3:.1f} ms | {s['gb_per_s']:.2f} | "
+            f"{s['gb_per_s'] / memcpy['gb_per_s']:.2f}x |"
+        )
+    lines.append("")
+    lines.append("| per request | value |")
+    lines.append("|---|---|")
+    lines.append(f"| tokens | {tokens:,} |")
+    lines.append(f"| bytes | {per_round // batch:,} ({per_round // batch / (1 << 20):.0f} MiB) |")
+    lines.append(f"| blocks (per group) | {sum(counts):,} ({', '.join(str(c) for c in counts)}) |")
+    lines.append(f"| NIXL descriptors (coalesced) | {', '.join(f'{d:,}' for d in descriptors)} |")
+    lines.append(f"| bytes per descriptor | {per_round // batch // max(descriptors):,} |")
+    memmove_rows = ", ".join(f"{n:,}" for n in results["memmove_descriptors_per_request"])
+    lines.append(f"| memmove rows (local side coalesced alone) | {memmove_rows} |")
+    verdict = "yes" if bad_segments == 0 else f"NO: {bad_segments} segment(s) wrong"
+    lines.append(f"| every owner block holds prefill's bytes | {verdict} |")
+    lines.append("")
+    lines.append(
+        f"ratio NIXL READ / memcpy: {results['read_vs_memcpy']:.2f}; "
+        f"NIXL READ / memmove per descriptor: {results['read_vs_memmove_per_descriptor']:.2f}"
+    )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--role", choices=["main", "prefill"], default="main", help=argparse.SUPPRESS
+    )
+    parser.add_argument("--tokens", type=int, default=65_536, help="tokens per request")
+    parser.add_argument("--gib", type=float, default=1.0, help="bytes read per round (target)")
+    parser.add_argument("--batch", type=int, default=0, help="requests per round (0: from --gib)")
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--kv-mib", type=int, default=0, help="KV cache per side (0: just enough)")
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--verbose", action="store_true", help="show the prefill's stderr")
+    args = parser.parse_args()
+    if args.role == "prefill":
+        return run_prefill(args)
+    results = measure(args)
+    print(report(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0 if results["bad_segments"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

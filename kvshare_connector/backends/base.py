@@ -1,0 +1,220 @@
+"""The interface every backend implements; the vLLM layer calls only this.
+
+A backend is one way of getting a request's KV from prefill to decode (direct NIXL reads,
+LMCache, ...). It has two halves, as the connector has: a scheduler side that decides, per
+request, what the workers must do (hold blocks, load, store) and a worker side that does it
+on the registered KV memory. Neither half sees a vLLM object: the vLLM layer
+(``kvshare_connector.vllm``) turns vLLM's requests and scheduler output into the plain
+values below, so a backend can be driven (and tested) without an engine.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from kvshare_connector.layout.matching import EngineIdentity
+from kvshare_connector.layout.topology import KVTopology
+from kvshare_connector.transfer.protocol import RemotePrefillParams
+
+BlockIds = tuple[list[int], ...]  # one list of block ids per KV cache group
+Hold = tuple[float, BlockIds]  # lease seconds, the request's held blocks per group
+
+
+def empty_block_ids(num_groups: int) -> BlockIds:
+    return tuple([] for _ in range(num_groups))
+
+
+@dataclass(frozen=True)
+class SchedulerContext:
+    """What a backend's scheduler side knows of its engine."""
+
+    engine_id: str
+    host: str  # side channel prefill serves on
+    port: int
+    lease_s: float
+    tp_size: int
+    block_sizes: Sequence[int]  # per KV cache group
+    sliding_windows: Sequence[int | None]  # per KV cache group, None for full attention
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.block_sizes)
+
+    @property
+    def window_blocks(self) -> list[int]:
+        """Blocks of a sliding-window group that can still matter: the window, +1 for a
+        window that straddles a block boundary (vLLM frees the rest before finishing)."""
+        return [
+            math.ceil(window / size) + 1 if window else 0
+            for window, size in zip(self.sliding_windows, self.block_sizes, strict=True)
+        ]
+
+    def clip_to_windows(self, block_ids: Sequence[Sequence[int]]) -> BlockIds:
+        """Keep only the blocks a sliding-window group still needs (the tail)."""
+        return tuple(
+            list(ids[-keep:]) if keep and len(ids) > keep else list(ids)
+            for ids, keep in zip(block_ids, self.window_blocks, strict=True)
+        )
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """A decode request whose prompt KV comes from prefill, after vLLM allocated its blocks."""
+
+    request_id: str
+    params: RemotePrefillParams
+    prompt_token_ids: Sequence[int]
+    block_ids: BlockIds  # full tables from position 0, one per group
+    new_block_ids: BlockIds  # the blocks not already filled from the local prefix cache
+    num_external_tokens: int  # tokens to load (0: everything is cached locally)
+    num_local_tokens: int  # tokens cached locally before the external ones
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's part of a scheduler step (the fields a store decision needs)."""
+
+    request_id: str
+    new_block_ids: BlockIds | None  # blocks added this step (all of them when resumed/new)
+    restarted: bool  # new or resumed: new_block_ids are the whole tables
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    prompt_token_ids: Sequence[int] | None  # given for new requests only
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What prefill keeps of a finished request and adds to ``kv_transfer_params``."""
+
+    remote_block_ids: BlockIds
+    hold: bool  # keep the blocks until decode reads them or the lease ends
+    extra_params: Mapping[str, Any] = field(default_factory=dict)
+
+
+class SchedulerBackend(ABC):
+    """Scheduler side: per-request decisions, collected into each step's work orders."""
+
+    def __init__(self, context: SchedulerContext):
+        self.context = context
+
+    def prefill_admitted(self, request_id: str) -> None:
+        """A prefill request (``do_remote_decode``) got its blocks (default: nothing to do)."""
+        return None
+
+    @abstractmethod
+    def decode_allocated(self, request: DecodeRequest) -> Any | None:
+        """Return the load order to hand the worker (None: nothing to do)."""
+
+    def decode_aborted(self, request_id: str, params: RemotePrefillParams) -> Any | None:
+        """Decode dropped a request before loading it: an order that frees prefill's blocks."""
+        return None
+
+    @abstractmethod
+    def prefill_finished(self, request_id: str, block_ids: BlockIds) -> PrefillResult:
+        """A prefill request finished normally: what to hold and what decode needs."""
+
+    def needs_steps(self) -> bool:
+        return False
+
+    def stores(self, step: Sequence[ScheduledRequest]) -> list[Any]:
+        """Store orders for this step (backends that push KV somewhere as it is computed)."""
+        return []
+
+    def forget(self, request_id: str) -> None:
+        """The request left the engine (default: nothing to forget)."""
+        return None
+
+
+@dataclass
+class WorkerProgress:
+    """What the worker side finished since the last poll."""
+
+    sent: set[str] = field(default_factory=set)  # prefill: decode has the KV, blocks freed
+    expired: set[str] = field(default_factory=set)  # prefill: lease ran out, blocks freed
+    loaded: set[str] = field(default_factory=set)  # decode: KV is in place
+    failed: dict[str, str] = field(default_factory=dict)  # decode: request id -> reason
+    records: list[Any] = field(default_factory=list)  # finished reads, for stats
+    counters: dict[str, int] = field(default_factory=dict)  # stats counters to add
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a backend's worker side knows of its engine."""
+
+    engine_id: str
+    role: str  # kv_producer / kv_consumer / kv_both
+    host: str
+    port: int
+    lease_s: float
+    handshake_timeout_s: float
+    transfer_timeout_s: float
+    model_name: str
+    side_channel_secret: bytes | None = None  # HMAC key of every side-channel message
+    engine_identity: EngineIdentity | None = None  # model, dtypes, block size, vLLM version
+    staging_bytes: int = 0  # packed transfer: staging area per engine (0: block by block)
+
+    @property
+    def produces(self) -> bool:
+        return self.role in ("kv_producer", "kv_both")
+
+    @property
+    def consumes(self) -> bool:
+        return self.role in ("kv_consumer", "kv_both")
+
+
+class WorkerBackend(ABC):
+    """Worker side: owns the transfer machinery for the registered KV memory."""
+
+    def __init__(self, context: WorkerContext):
+        self.context = context
+
+    @abstractmethod
+    def start(self, topology: KVTopology, tensors: Any) -> str:
+        """Register the owners' KV memory; return a line describing it for the log."""
+
+    @abstractmethod
+    def start_loads(self, orders: Sequence[Any]) -> dict[str, str]:
+        """Begin these load orders; return the requests that failed at once, with reasons."""
+
+    def hold(self, holds: Mapping[str, Hold]) -> None:
+        """Keep these requests' blocks for decode (request id -> lease seconds and block
+        ids); backends that hold nothing on prefill ignore it."""
+        return None
+
+    def save(self, orders: Sequence[Any]) -> int:
+        """Carry out this step's store orders (after the forward); return how many."""
+        return 0
+
+    @abstractmethod
+    def poll(self) -> WorkerProgress:
+        """Advance transfers; called every step."""
+
+    def in_flight(self) -> set[str]:
+        """Requests still being loaded."""
+        return set()
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class Backend(ABC):
+    """A backend's options and its two halves; the factory maps the ``backend`` option to one.
+
+    Options are parsed in the constructor, in both the scheduler's and the workers'
+    processes, so bad options fail at engine start rather than on the first request.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, extra_config: Mapping[str, Any]):
+        self.extra_config = extra_config
+
+    @abstractmethod
+    def scheduler_side(self, context: SchedulerContext) -> SchedulerBackend: ...
+
+    @abstractmethod
+    def worker_side(self, context: WorkerContext) -> WorkerBackend: ...

@@ -1,0 +1,198 @@
+"""Backend ``nixl`` (the default): decode READs the request's blocks straight from prefill.
+
+Prefill holds a finished request's blocks (clipped to each sliding window) under a lease and
+serves its layout on the side channel (``transfer.source.KVSource``); decode handshakes,
+claims the request and READs into the blocks vLLM allocated (``transfer.sink.KVSink``), then
+notifies prefill, which frees them.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvshare_connector.backends.base import (
+    Backend,
+    BlockIds,
+    DecodeRequest,
+    Hold,
+    PrefillResult,
+    SchedulerBackend,
+    SchedulerContext,
+    WorkerBackend,
+    WorkerContext,
+    WorkerProgress,
+    empty_block_ids,
+)
+from kvshare_connector.common.log import get_logger
+from kvshare_connector.layout.topology import KVTopology
+from kvshare_connector.transfer.nixl import NixlTransport
+from kvshare_connector.transfer.packing import MemoryMap, Packer, StagingArea
+from kvshare_connector.transfer.protocol import RemotePrefillParams
+from kvshare_connector.transfer.sink import KVSink
+from kvshare_connector.transfer.source import KVSource
+
+logger = get_logger(__name__)
+
+_RELEASE_SUFFIX = "#release"  # internal ids of notify-only reads (nothing to load)
+
+
+@dataclass
+class RecvRequest:
+    """Decode: read ``params.remote_block_ids`` into ``local_block_ids`` (empty: only tell
+    prefill to free the request's blocks)."""
+
+    request_id: str
+    params: RemotePrefillParams
+    local_block_ids: BlockIds
+    num_tokens: int | None = None  # decode's prompt length: the sink checks block counts
+    num_local_tokens: int = 0  # of which cached locally
+
+
+class NixlScheduler(SchedulerBackend):
+    def decode_allocated(self, request: DecodeRequest) -> RecvRequest:
+        if request.num_external_tokens > 0:
+            local = self.context.clip_to_windows(request.new_block_ids)
+        else:  # everything is cached locally: only let prefill free its blocks
+            local = empty_block_ids(self.context.num_groups)
+        return RecvRequest(
+            request.request_id,
+            request.params,
+            local,
+            len(request.prompt_token_ids),
+            request.num_local_tokens,
+        )
+
+    def decode_aborted(self, request_id: str, params: RemotePrefillParams) -> RecvRequest:
+        # Aborted before blocks were allocated: prefill still holds blocks for it.
+        return RecvRequest(request_id, params, empty_block_ids(self.context.num_groups))
+
+    def prefill_finished(self, request_id: str, block_ids: BlockIds) -> PrefillResult:
+        clipped = self.context.clip_to_windows(block_ids)
+        return PrefillResult(clipped, hold=any(clipped))
+
+
+class NixlWorker(WorkerBackend):
+    def __init__(self, context: WorkerContext):
+        super().__init__(context)
+        self.source: KVSource | None = None
+        self.sink: KVSink | None = None
+
+    def start(self, topology: KVTopology, tensors: Any) -> str:
+        c = self.context
+        transport = NixlTransport(f"{c.engine_id}-{c.role}-{uuid.uuid4().hex[:6]}")
+        secret, identity = c.side_channel_secret, c.engine_identity
+        if c.produces:
+            self.source = KVSource(
+                c.engine_id,
+                topology,
+                transport,
+                c.host,
+                c.port,
+                c.lease_s,
+                identity,
+                secret,
+                packer=self._packer(tensors),
+            )
+        if c.consumes:
+            self.sink = KVSink(
+                c.engine_id,
+                topology,
+                transport,
+                c.handshake_timeout_s,
+                c.transfer_timeout_s,
+                identity,
+                secret,
+                packer=self._packer(tensors),
+            )
+        registered = sum(r.nbytes for r in topology.regions)
+        line = f"registered {len(topology.owners)} owner layer(s) in {len(topology.regions)} "
+        line += f"region(s) ({registered / 2**20:.1f} MiB)"
+        if self.source is not None:
+            line += f"; side channel {c.host}:{self.source.port}"
+        packers = [s.packer for s in (self.source, self.sink) if s is not None and s.packer]
+        line += f"; packed transfer {'on' if packers else 'off'}"
+        if packers:
+            line += f" ({sum(p.staging.nbytes for p in packers) / 2**20:.0f} MiB staging)"
+        return line
+
+    def _packer(self, tensors: Any) -> Packer | None:
+        """A staging area on the KV's device and a view of the KV memory (None: packing
+        off, or the memory cannot be viewed: transfers go block by block)."""
+        if self.context.staging_bytes <= 0:
+            return None
+        values = list(tensors.values()) if isinstance(tensors, Mapping) else [tensors]
+        try:
+            staging = StagingArea(self.context.staging_bytes, values[0].device)
+            return Packer(MemoryMap(values), staging)
+        except Exception as exc:  # e.g. no room on the device: slower, still correct
+            logger.warning("packed transfer off: %s: %s", type(exc).__name__, exc)
+            return None
+
+    def start_loads(self, orders: Sequence[RecvRequest]) -> dict[str, str]:
+        failed: dict[str, str] = {}
+        for order in orders:
+            nothing_to_load = not any(order.local_block_ids)
+            if self.sink is None:
+                if not nothing_to_load:
+                    failed[order.request_id] = f"engine role {self.context.role} cannot load KV"
+                continue
+            read_id = order.request_id + (_RELEASE_SUFFIX if nothing_to_load else "")
+            try:
+                self.sink.request(
+                    read_id,
+                    order.params,
+                    order.local_block_ids,
+                    order.num_tokens,
+                    order.num_local_tokens,
+                )
+            except Exception as exc:  # one request fails, never the engine
+                if not nothing_to_load:
+                    failed[order.request_id] = f"{type(exc).__name__}: {exc}"
+        return failed
+
+    def hold(self, holds: Mapping[str, Hold]) -> None:
+        """Claims that name blocks other than the held ones are refused."""
+        for request_id, value in holds.items():
+            if self.source is None:
+                logger.error(
+                    "request %s: engine role %s cannot serve KV", request_id, self.context.role
+                )
+                continue
+            lease_s, block_ids = value
+            self.source.hold(request_id, lease_s, block_ids)
+
+    def poll(self) -> WorkerProgress:
+        progress = WorkerProgress()
+        if self.source is not None:
+            progress.sent, progress.expired = self.source.poll()
+            progress.counters = self.source.take_refused()
+        if self.sink is not None:
+            done, failed = self.sink.poll()
+            progress.failed = {
+                r: reason for r, reason in failed.items() if not r.endswith(_RELEASE_SUFFIX)
+            }
+            progress.loaded = {r for r in done if not r.endswith(_RELEASE_SUFFIX)}
+            progress.records, self.sink.records = self.sink.records, []
+        return progress
+
+    def in_flight(self) -> set[str]:
+        return self.sink.in_flight if self.sink is not None else set()
+
+    def close(self) -> None:
+        if self.source is not None:
+            self.source.close()
+        if self.sink is not None:
+            self.sink.close()
+
+
+class NixlBackend(Backend):
+    name = "nixl"
+
+    def scheduler_side(self, context: SchedulerContext) -> NixlScheduler:
+        return NixlScheduler(context)
+
+    def worker_side(self, context: WorkerContext) -> NixlWorker:
+        return NixlWorker(context)

@@ -1,0 +1,272 @@
+"""vLLM's real KV cache objects for a Gemma-4 model, built on a host without a GPU.
+
+Used by the demo and the tests. Everything comes from vLLM 0.26 itself: the model
+(``Gemma4ForCausalLM`` on the meta device, so its ``Attention`` layers carry the real
+sharing map and specs), ``get_kv_cache_configs`` (groups, HMA block sizes, shared
+tensors), the V2 runner's ``init_attn_backend``/``init_kv_cache`` (the per-layer views and
+sharer aliases handed to ``register_kv_caches``) and ``allocate_uniform_kv_caches`` (the
+cross-layer blocks tensor). Two things stand in for the CUDA platform, which cannot run
+here: the attention backend choice (the configured one, else FlashAttention, as on an H200) and the
+HMA platform gate. kvcached's layouts are reproduced with kvcached 0.1.6's geometry
+(its allocator needs a CUDA driver): one reservation larger than what vLLM uses, with
+per-layer ``as_strided`` views that interleave layers per block in its default
+contiguous layout.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import tempfile
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+from kvshare_connector.common.files import write_atomic
+
+MODELS = ("gemma4_e2b_shape", "g4tiny", "g4uniform")
+LAYOUTS = ("per_layer", "cross_layer", "kvcached_contiguous", "kvcached_per_layer")
+FLASH_ATTN = "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend"
+
+
+@dataclass
+class CpuKVStack:
+    """What a vLLM worker would hold after ``initialize_kv_cache``, on CPU tensors."""
+
+    model: str
+    layout: str
+    vllm_config: Any
+    kv_cache_config: Any  # as the connector receives it (no sharers in groups)
+    kv_caches: dict[str, Any]  # as ``register_kv_caches`` receives it (sharers aliased)
+    sharing: dict[str, str]
+    backends: dict[str, Any]  # owner layer -> attention backend class
+    cross_layer_tensor: Any = None
+    cross_layer_backend: Any = None
+    keepalive: list[Any] = field(default_factory=list)  # raw buffers behind the views
+
+
+def topology_of(stack: CpuKVStack) -> Any:
+    """The topology the connector's worker builds from what vLLM hands it for this stack."""
+    from kvshare_connector.vllm import adapter as vllm_adapter
+
+    if stack.cross_layer_tensor is not None:
+        return vllm_adapter.topology_from_cross_layer(
+            stack.kv_cache_config,
+            stack.cross_layer_tensor,
+            stack.cross_layer_backend,
+            stack.sharing,
+            stack.vllm_config,
+        )
+    return vllm_adapter.topology_from_kv_caches(
+        stack.kv_cache_config, stack.kv_caches, stack.backends, stack.sharing, stack.layout
+    )
+
+
+def model_dir(model: str, root: Path) -> Path:
+    """Write the packaged config of ``model`` into ``root/model`` (vLLM reads a directory)."""
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; choose from {MODELS}")
+    target = root / model
+    target.mkdir(parents=True, exist_ok=True)
+    models = resources.files("kvshare_connector").joinpath("devtools", "models")
+    text = models.joinpath(f"{model}.json").read_text()
+    config = target / "config.json"
+    if not config.exists() or config.read_text() != text:
+        # Processes that build the same model at once never read half a file.
+        write_atomic(config, text)
+    return target
+
+
+def _models_root() -> Path:
+    """One directory per user for the packaged configs, reused by every build (a fresh
+    temporary directory per build would leave one behind each time)."""
+    return Path(tempfile.gettempdir()) / f"kvshare-models-{os.getuid()}"
+
+
+def hf_overrides_for(config_path: Path) -> dict[str, Any]:
+    """transformers >= 5.17 folds ``global_head_dim`` into per-layer overrides that
+    vLLM 0.26 does not read; hand it back so full-attention layers get their head size."""
+    config = json.loads(config_path.read_text())
+    return {"global_head_dim": config["global_head_dim"]} if "global_head_dim" in config else {}
+
+
+def _cuda_backend_choice(cls: Any, selected_backend: Any, *args: Any, **kwargs: Any) -> str:
+    """What the CUDA platform answers on an H200: the configured backend, else FlashAttention
+    (vLLM itself configures Triton for Gemma-4 with mixed head sizes)."""
+    return selected_backend.get_path() if selected_backend is not None else FLASH_ATTN
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ensure_distributed(vllm_config: Any) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    if parallel_state._TP is not None:
+        return
+    with set_current_vllm_config(vllm_config):
+        parallel_state.init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            local_rank=0,
+            backend="gloo",
+        )
+        parallel_state.initialize_model_parallel(1, 1)
+
+
+def build_cpu_stack(
+    model: str,
+    layout: str = "per_layer",
+    kv_bytes: int = 64 << 20,
+    workdir: Path | None = None,
+    kv_transfer_config: Any = None,
+    kvcached_spare_blocks: int = 64,
+    max_model_len: int = 2048,
+) -> CpuKVStack:
+    """Build the KV memory of ``model`` in ``layout`` from vLLM's own functions."""
+    import torch
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.models.gemma4 import Gemma4ForCausalLM
+    from vllm.platforms import current_platform
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm.v1.worker.gpu import attn_utils
+    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # as EngineArgs does: registers KVShareConnector by name
+    root = Path(workdir) if workdir is not None else _models_root()
+    path = model_dir(model, root)
+    model_config = ModelConfig(
+        model=str(path),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=max_model_len,
+        hf_overrides=hf_overrides_for(path / "config.json"),
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        device_config=DeviceConfig(device="cpu"),
+        kv_transfer_config=kv_transfer_config,
+    )
+    # HMA is on for CUDA platforms; the CPU-only build of the platform turns it off.
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    _ensure_distributed(vllm_config)
+
+    platform_cls = type(current_platform)
+    with (
+        mock.patch.object(platform_cls, "get_attn_backend_cls", classmethod(_cuda_backend_choice)),
+        set_current_vllm_config(vllm_config),
+        torch.device("meta"),
+    ):
+        Gemma4ForCausalLM(vllm_config=vllm_config, prefix="")
+    forward_context = vllm_config.compilation_config.static_forward_context
+    from kvshare_connector.vllm.adapter import sharing_map
+
+    sharing = sharing_map(forward_context)
+    specs = attn_utils.get_kv_cache_spec(vllm_config)
+    kv_cache_config = get_kv_cache_configs(vllm_config, [specs], [kv_bytes])[0]
+    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks  # as EngineCore does
+    worker_config = copy.deepcopy(kv_cache_config)
+    with set_current_vllm_config(vllm_config):
+        attn_groups, _, kernel_block_sizes = attn_utils.init_attn_backend(
+            worker_config, vllm_config, torch.device("cpu")
+        )
+    backends = {
+        name: group.backend
+        for groups in attn_groups
+        for group in groups
+        for name in group.layer_names
+        if name not in sharing
+    }
+    stack = CpuKVStack(model, layout, vllm_config, kv_cache_config, {}, sharing, backends)
+
+    if layout == "per_layer":
+        with set_current_vllm_config(vllm_config):
+            stack.kv_caches = attn_utils.init_kv_cache(
+                [],
+                forward_context,
+                worker_config,
+                attn_groups,
+                torch.device("cpu"),
+                "auto",
+                kernel_block_sizes,
+                vllm_config,
+            )
+    elif layout == "cross_layer":
+        with set_current_vllm_config(vllm_config):
+            kv_caches, tensor, backend = KVConnectorModelRunnerMixin.allocate_uniform_kv_caches(
+                worker_config, attn_groups, "auto", torch.device("cpu"), kernel_block_sizes
+            )
+        for sharer, target in sharing.items():  # what the runner does after allocating
+            kv_caches[sharer] = kv_caches[target]
+        stack.kv_caches = kv_caches
+        stack.cross_layer_tensor, stack.cross_layer_backend = tensor, backend
+    else:
+        stack.kv_caches, stack.keepalive = kvcached_views(
+            kv_cache_config,
+            sharing,
+            contiguous=layout == "kvcached_contiguous",
+            capacity_blocks=kv_cache_config.num_blocks + kvcached_spare_blocks,
+        )
+    return stack
+
+
+def kvcached_views(
+    kv_cache_config: Any,
+    sharing: dict[str, str],
+    contiguous: bool,
+    capacity_blocks: int,
+) -> tuple[dict[str, Any], list[Any]]:
+    """kvcached 0.1.6's packed-KV views (vLLM >= 0.26), on CPU buffers.
+
+    Pools: pool ``i`` is shared by the ``i``-th owner of every group; ``L`` pools. Each
+    layer view has shape ``(N, H, kbs, 2D)`` (NHD strides) over a reservation of ``N``
+    blocks, ``N`` larger than vLLM's ``num_blocks`` (kvcached reserves the whole GPU).
+    Contiguous: one reservation, block ``b`` of pool ``i`` at ``(b * L + i) * page``.
+    Per-layer: one reservation per pool, block ``b`` at ``b * page``.
+    """
+    import torch
+
+    owners_per_group = [
+        [n for n in g.layer_names if n not in sharing] for g in kv_cache_config.kv_cache_groups
+    ]
+    num_pools = max(len(names) for names in owners_per_group)
+    page = {g.kv_cache_spec.page_size_bytes for g in kv_cache_config.kv_cache_groups}
+    if len(page) != 1:
+        raise ValueError(f"kvcached needs one block byte size across groups, got {page}")
+    page_bytes = page.pop()
+    if contiguous:
+        raw = [torch.zeros(capacity_blocks * num_pools * page_bytes, dtype=torch.int8)]
+    else:
+        raw = [
+            torch.zeros(capacity_blocks * page_bytes, dtype=torch.int8) for _ in range(num_pools)
+        ]
+    views: dict[str, Any] = {}
+    for group, names in zip(kv_cache_config.kv_cache_groups, owners_per_group, strict=True):
+        spec = group.kv_cache_spec
+        heads, tokens, width = spec.num_kv_heads, spec.block_size, 2 * spec.head_size
+        elements = heads * tokens * width
+        for pool, name in enumerate(names):
+            buffer = raw[0] if contiguous else raw[pool]
+            typed = buffer.view(spec.dtype)
+            views[name] = torch.as_strided(
+                typed,
+                (capacity_blocks, heads, tokens, width),
+                (elements * (num_pools if contiguous else 1), width, heads * width, 1),
+                storage_offset=pool * elements if contiguous else 0,
+            )
+    for sharer, target in sharing.items():
+        views[sharer] = views[target]
+    return views, raw

@@ -1,0 +1,381 @@
+"""``kvshare demo``: a real NIXL transfer of Gemma-4-shaped KV between two processes, checked.
+
+The prefill process builds vLLM's KV memory for the model (CPU tensors laid out as vLLM or
+kvcached lays them out), fills a request's blocks with a pattern, registers its owner
+regions and serves its layout on the side channel. The decode process (this one) builds
+its own KV memory, possibly in another layout and with other block ids, handshakes, READs
+the request over NIXL/UCX on 127.0.0.1, and checks every layer, sharers included, holds
+the pattern. A negative control then reads the wrong blocks and must fail the same check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from kvshare_connector.common.child_process import Child
+from kvshare_connector.devtools import kvcheck
+from kvshare_connector.devtools.cpu_stack import LAYOUTS, MODELS
+
+READY = "KVSHARE_PREFILL_READY "
+DONE = "KVSHARE_PREFILL_DONE "
+
+DEMO_MODULE = "kvshare_connector.devtools.demo"  # its prefill child runs this module
+
+
+def blocks_per_group(topology: Any, tokens: int) -> list[int]:
+    """Blocks of one request of ``tokens`` tokens per group; sliding-window groups keep
+    only the blocks of the window (+1 for alignment, as vLLM clips them)."""
+    counts = []
+    for group in topology.groups:
+        blocks = math.ceil(tokens / group.spec.block_size)
+        if group.spec.sliding_window:
+            blocks = min(blocks, math.ceil(group.spec.sliding_window / group.spec.block_size) + 1)
+        counts.append(blocks)
+    return counts
+
+
+def requests_block_ids(topology: Any, tokens: int, count: int, seed: int) -> list[list[list[int]]]:
+    """Block ids a vLLM block pool could give ``count`` requests, per group: distinct
+    across groups and requests, shuffled, never the null block 0."""
+    import numpy as np
+
+    per_group = blocks_per_group(topology, tokens)
+    need = count * sum(per_group)
+    if need >= topology.num_blocks:
+        raise ValueError(
+            f"{count} request(s) of {tokens} tokens need {need} blocks, the cache has "
+            f"{topology.num_blocks}"
+        )
+    pool = np.random.default_rng(seed).permutation(np.arange(1, topology.num_blocks))
+    out, start = [], 0
+    for _ in range(count):
+        request = []
+        for n in per_group:
+            request.append([int(b) for b in pool[start : start + n]])
+            start += n
+        out.append(request)
+    return out
+
+
+def request_block_ids(topology: Any, tokens: int, seed: int) -> list[list[int]]:
+    """Block ids of one request (see ``requests_block_ids``)."""
+    return requests_block_ids(topology, tokens, 1, seed)[0]
+
+
+def build(model: str, layout: str, kv_mib: int, max_model_len: int) -> tuple[Any, Any]:
+    from kvshare_connector.devtools.cpu_stack import build_cpu_stack, topology_of
+
+    stack = build_cpu_stack(model, layout, kv_bytes=kv_mib << 20, max_model_len=max_model_len)
+    return stack, topology_of(stack)
+
+
+def cpu_packer(stack: Any, packed_mib: int) -> Any:
+    """A host staging area over this process's KV tensors (None: packing off)."""
+    if packed_mib <= 0:
+        return None
+    from kvshare_connector.transfer.packing import MemoryMap, Packer, StagingArea
+
+    return Packer(MemoryMap(stack.kv_caches.values()), StagingArea(packed_mib << 20, "cpu"))
+
+
+# ---- prefill process ----------------------------------------------------------------------
+
+
+def run_prefill(args: argparse.Namespace) -> int:
+    """Serve one request's KV until decode reads it or the lease ends (prints JSON lines)."""
+    from kvshare_connector.transfer.nixl import NixlTransport
+    from kvshare_connector.transfer.protocol import kv_transfer_params
+    from kvshare_connector.transfer.source import KVSource
+
+    stack, topology = build(args.model, args.layout, args.kv_mib, args.max_model_len)
+    ids = request_block_ids(topology, args.tokens, args.seed)
+    kvcheck.fill(stack.kv_caches, topology, ids, seed=args.seed)
+    engine_id = f"prefill-{uuid.uuid4().hex[:8]}"
+    source = KVSource(
+        engine_id,
+        topology,
+        NixlTransport(engine_id),
+        "127.0.0.1",
+        0,
+        lease_s=args.lease_s,
+        packer=cpu_packer(stack, args.packed_mib),
+    )
+    request_id = "req-0"
+    source.hold(request_id, block_ids=ids)
+    params = kv_transfer_params(
+        remote_block_ids=ids,
+        remote_engine_id=engine_id,
+        remote_request_id=request_id,
+        remote_host=source.host,
+        remote_port=source.port,
+        remote_num_tokens=args.tokens,
+    )
+    ready = {
+        "kv_transfer_params": params,
+        "layout": topology.layout,
+        "owners": len(topology.owners),
+        "sharers": len(topology.sharers),
+        "registered_bytes": source.transport.registered_bytes,
+    }
+    print(READY + json.dumps(ready), flush=True)
+    deadline = time.monotonic() + args.lease_s + 30
+    read: set[str] = set()
+    expired: set[str] = set()
+    while time.monotonic() < deadline and not (read or expired):
+        r, e = source.poll()
+        read |= r
+        expired |= e
+        time.sleep(0.005)
+    print(
+        DONE
+        + json.dumps(
+            {"read": sorted(read), "expired": sorted(expired), "still_held": sorted(source.held)}
+        ),
+        flush=True,
+    )
+    time.sleep(args.linger_s)
+    source.close()
+    return 0
+
+
+@dataclass
+class PrefillProcess:
+    """A prefill process started with ``spawn_prefill``."""
+
+    child: Child
+    ready: dict[str, Any]
+
+    def wait_done(self, timeout_s: float) -> dict[str, Any]:
+        return self.child.wait_json(DONE, timeout_s)
+
+    def stop(self) -> None:
+        self.child.kill()
+
+
+def spawn_prefill(
+    model: str,
+    layout: str,
+    tokens: int,
+    seed: int = 0,
+    lease_s: float = 30.0,
+    kv_mib: int = 64,
+    max_model_len: int = 2048,
+    linger_s: float = 1.0,
+    timeout_s: float = 120.0,
+    packed_mib: int = 0,
+) -> PrefillProcess:
+    """Start ``python -m kvshare_connector.devtools.demo prefill`` and wait for its ready line."""
+    args = ["-m", DEMO_MODULE, "prefill", "--model", model, "--layout", layout]
+    args += ["--tokens", str(tokens), "--seed", str(seed), "--lease-s", str(lease_s)]
+    args += ["--kv-mib", str(kv_mib), "--max-model-len", str(max_model_len)]
+    args += ["--linger-s", str(linger_s), "--packed-mib", str(packed_mib)]
+    child = Child(args)
+    try:
+        return PrefillProcess(child, child.wait_json(READY, timeout_s))
+    except TimeoutError:
+        child.kill()
+        raise
+
+
+# ---- decode side --------------------------------------------------------------------------
+
+
+@dataclass
+class ReadResult:
+    done: bool
+    failure: str | None
+    seconds: float
+    bytes: int
+    descriptors: int
+    mismatches: list[str]
+    stray: list[str]
+    packed: bool = False
+
+
+def read_and_check(
+    sink: Any,
+    stack: Any,
+    topology: Any,
+    params: dict[str, Any],
+    local_ids: list[list[int]],
+    seed: int,
+    request_id: str,
+    timeout_s: float = 60.0,
+    check_ids: list[list[int]] | None = None,
+) -> ReadResult:
+    """Read one request through ``sink`` and check the pattern landed in ``local_ids``."""
+    from kvshare_connector.transfer.protocol import remote_prefill_params
+
+    start = time.monotonic()
+    sink.request(request_id, remote_prefill_params(params), local_ids)
+    done, failed = set(), {}
+    while request_id not in done and request_id not in failed:
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"read of {request_id} neither finished nor failed")
+        d, f = sink.poll()
+        done |= d
+        failed.update(f)
+        time.sleep(0.001)
+    seconds = time.monotonic() - start
+    record = next((r for r in sink.records if r.request_id == request_id), None)
+    expected = check_ids if check_ids is not None else local_ids
+    return ReadResult(
+        done=request_id in done,
+        failure=failed.get(request_id),
+        seconds=seconds,
+        bytes=record.bytes if record else 0,
+        descriptors=record.descriptors if record else 0,
+        packed=bool(record and record.packed),
+        mismatches=kvcheck.mismatches(stack.kv_caches, topology, expected, seed=seed),
+        stray=kvcheck.nonzero_blocks_outside(stack.kv_caches, topology, expected),
+    )
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from kvshare_connector.transfer.nixl import NixlTransport
+    from kvshare_connector.transfer.sink import KVSink
+
+    print(
+        f"kvshare demo: {args.model}, prefill {args.prefill_layout} -> decode "
+        f"{args.decode_layout}, {args.tokens} tokens, NIXL/UCX over 127.0.0.1"
+    )
+    prefill = spawn_prefill(
+        args.model,
+        args.prefill_layout,
+        args.tokens,
+        seed=1,
+        lease_s=args.lease_s,
+        packed_mib=args.packed_mib,
+    )
+    try:
+        stack, topology = build(args.model, args.decode_layout, 64, 2048)
+        sink = KVSink(
+            f"decode-{uuid.uuid4().hex[:8]}",
+            topology,
+            NixlTransport(f"decode-{uuid.uuid4().hex[:8]}"),
+            packer=cpu_packer(stack, args.packed_mib),
+        )
+        local_ids = request_block_ids(topology, args.tokens, seed=2)
+        params = prefill.ready["kv_transfer_params"]
+        result = read_and_check(sink, stack, topology, params, local_ids, seed=1, request_id="d-0")
+        released = prefill.wait_done(30)
+    finally:
+        prefill.stop()
+
+    # Negative control: a second prefill; read its blocks in the wrong order.
+    control = spawn_prefill(
+        args.model,
+        args.prefill_layout,
+        args.tokens,
+        seed=1,
+        lease_s=args.lease_s,
+        packed_mib=args.packed_mib,
+    )
+    try:
+        params = dict(control.ready["kv_transfer_params"])
+        params["remote_block_ids"] = [list(reversed(ids)) for ids in params["remote_block_ids"]]
+        _zero(topology)
+        negative = read_and_check(
+            sink, stack, topology, params, local_ids, seed=1, request_id="d-1"
+        )
+        control.wait_done(30)
+    finally:
+        control.stop()
+        sink.close()
+
+    layers = len(stack.kv_caches)
+    bad_layers = len({m.split(" ")[0] for m in result.mismatches})
+    ok = (
+        result.done and not result.mismatches and not result.stray and released["read"] == ["req-0"]
+    )
+    control_ok = negative.done and bool(negative.mismatches)
+    rows = [
+        ("prefill layout", prefill.ready["layout"]),
+        ("decode layout", topology.layout),
+        (
+            "owner layers registered",
+            f"{prefill.ready['owners']} (prefill), {len(topology.owners)} (decode)",
+        ),
+        ("sharing layers", f"{len(topology.sharers)} (never registered)"),
+        ("registered bytes (prefill)", f"{prefill.ready['registered_bytes']:,}"),
+        ("KV cache groups", str(len(topology.groups))),
+        ("blocks read", str(sum(len(i) for i in local_ids))),
+        ("bytes read", f"{result.bytes:,}"),
+        ("descriptors", str(result.descriptors)),
+        ("moved packed (staging areas, a few large runs)", str(result.packed)),
+        ("read time (incl. handshake)", f"{result.seconds * 1000:.1f} ms"),
+        ("layers holding prefill's KV (owners + sharers)", f"{layers - bad_layers}/{layers}"),
+        ("stray writes outside the request", str(len(result.stray))),
+        ("prefill released the blocks", str(released["read"] == ["req-0"])),
+        (
+            "negative control (wrong blocks) detected",
+            f"{control_ok} ({len(negative.mismatches)} bad blocks)",
+        ),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"  {key:<{width}}  {value}")
+    print("RESULT:", "PASS" if ok and control_ok else "FAIL")
+    return 0 if ok and control_ok else 1
+
+
+def _zero(topology: Any) -> None:
+    import ctypes
+
+    for region in topology.regions:
+        ctypes.memset(region.addr, 0, region.nbytes)
+
+
+# ---- command line -------------------------------------------------------------------------
+
+
+def add_parser(subparsers: Any) -> None:
+    """Plug ``demo`` (and the internal ``prefill`` role) into the ``kvshare`` command."""
+    demo = subparsers.add_parser("demo", help="real NIXL transfer of Gemma-4-shaped KV, checked")
+    demo.add_argument("--model", choices=MODELS, default="gemma4_e2b_shape")
+    demo.add_argument("--prefill-layout", choices=LAYOUTS, default="per_layer")
+    demo.add_argument("--decode-layout", choices=LAYOUTS, default="per_layer")
+    demo.add_argument("--tokens", type=int, default=1000)
+    demo.add_argument("--lease-s", type=float, default=30.0)
+    demo.add_argument(
+        "--packed-mib",
+        type=int,
+        default=64,
+        help="staging area per side for packed transfer (0: read block by block)",
+    )
+    demo.set_defaults(func=run_demo)
+
+
+def _prefill_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m kvshare_connector.devtools.demo prefill")
+    parser.add_argument("--model", choices=MODELS, required=True)
+    parser.add_argument("--layout", choices=LAYOUTS, required=True)
+    parser.add_argument("--tokens", type=int, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lease-s", type=float, default=30.0)
+    parser.add_argument("--kv-mib", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--linger-s", type=float, default=1.0)
+    parser.add_argument("--packed-mib", type=int, default=0, help="staging area (0: off)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["prefill"]:
+        return run_prefill(_prefill_parser().parse_args(argv[1:]))
+    parser = argparse.ArgumentParser(prog="kvshare")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,366 @@
+"""Start a PD deployment (prefill + decode ``vllm serve`` with KVShareConnector, plus the proxy)
+or a colocated baseline (one plain ``vllm serve``), and stop it cleanly.
+
+The plan (commands, ports, environments) is computed by pure functions so it can be
+checked without starting anything; ``Deployment`` turns a plan into processes.
+
+Conventions worth knowing:
+
+* every engine gets its own ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (base + ``SIDE_CHANNEL_STRIDE``
+  per engine: vLLM offsets the side-channel port by the data-parallel rank);
+* engines that share a GPU start one after the other by default, because vLLM's memory
+  profiling at startup misreads memory that another engine is allocating at the same time;
+* ``ENABLE_KVCACHED=true`` implies ``VLLM_USE_V2_MODEL_RUNNER=0`` (kvcached 0.1.6 refuses
+  vLLM 0.26's V2 model runner) unless that variable is set explicitly;
+* ``--server-cmd`` (or ``KVSHARE_SERVER_CMD``) replaces ``vllm serve {model} --host {host}
+  --port {port}``, e.g. with tests/support/fake_vllm_server.py; the vLLM options follow it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvshare_connector.common.files import write_atomic
+from kvshare_connector.toolkit.procs import (
+    LaunchError,
+    ManagedProcess,
+    stop_processes,
+    wait_healthy,
+)
+from kvshare_connector.toolkit.proxy import ProxyTimeouts
+
+logger = logging.getLogger(__name__)
+
+CONNECTOR_NAME = "KVShareConnector"
+CONNECTOR_MODULE = "kvshare_connector"
+#: KVShareConnector's ``kv_connector_extra_config`` switch for the cross-layer blocks layout
+#: (its default: on unless kvcached is enabled; vLLM uses it only for one-group models).
+LAYOUT_KEY = "cross_layer_blocks"
+LAYOUTS = ("per_layer", "cross_layer")
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+SIDE_CHANNEL_STRIDE = 16
+SERVER_CMD_ENV = "KVSHARE_SERVER_CMD"
+DEFAULT_SERVER_CMD = "vllm serve {model} --host {host} --port {port}"
+
+
+@dataclass
+class ServeConfig:
+    """Everything needed to start a PD deployment or its colocated baseline."""
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000  # the endpoint: the proxy (PD) or the single server (colocated)
+    prefill_port: int = 8100  # first prefill server; further ones count up
+    decode_port: int = 8200
+    side_channel_port: int = 5600
+    num_prefill: int = 1
+    num_decode: int = 1
+    prefill_gpus: list[str] = field(default_factory=lambda: ["0"])
+    decode_gpus: list[str] = field(default_factory=lambda: ["0"])
+    gpu_memory_utilization: float | None = None  # None: 0.85 split over engines on a GPU
+    block_size: int | None = None
+    max_model_len: int | None = None
+    layout: str | None = None  # per_layer | cross_layer | None (connector default)
+    kv_both: bool = False  # both engines as kv_both instead of producer/consumer
+    kv_extra_config: dict[str, Any] = field(default_factory=dict)
+    served_model_name: str | None = None
+    vllm_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    server_cmd: str | None = None
+    log_dir: Path = field(
+        default_factory=lambda: Path("runs/serve_pd") / time.strftime("%Y%m%d-%H%M%S")
+    )
+    ready_timeout: float = 900.0
+    grace: float = 20.0
+    parallel_start: bool | None = None  # None: parallel unless engines share a GPU
+    proxy_timeouts: ProxyTimeouts = field(default_factory=ProxyTimeouts)
+
+    def __post_init__(self) -> None:
+        if self.layout is not None and self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("need at least one prefill and one decode server")
+        if not self.prefill_gpus or not self.decode_gpus:
+            raise ValueError("GPU lists must not be empty")
+
+
+@dataclass
+class EngineSpec:
+    """One server process of a plan."""
+
+    name: str  # prefill0, decode0, colocated
+    role: str  # prefill | decode | colocated
+    host: str
+    port: int
+    argv: list[str]
+    env: dict[str, str]  # only what the launcher adds on top of os.environ
+
+    @property
+    def url(self) -> str:
+        return f"http://{client_host(self.host)}:{self.port}"
+
+
+def client_host(host: str) -> str:
+    """Where to connect to a server bound to ``host`` (wildcard binds are reached locally)."""
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def kv_transfer_config(cfg: ServeConfig, role: str) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` of a prefill or decode engine."""
+    extra = dict(cfg.kv_extra_config)
+    if cfg.layout is not None:
+        extra[LAYOUT_KEY] = cfg.layout == "cross_layer"
+    kv: dict[str, Any] = {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both" if cfg.kv_both else KV_ROLES[role],
+    }
+    if extra:
+        kv["kv_connector_extra_config"] = extra
+    return kv
+
+
+def _gpu_share(cfg: ServeConfig, engines_per_gpu: int) -> float:
+    if cfg.gpu_memory_utilization is not None:
+        return cfg.gpu_memory_utilization
+    return round(0.85 / engines_per_gpu - 0.005, 2)
+
+
+def engine_argv(
+    cfg: ServeConfig, role: str, port: int, gpu_share: float, kv: dict[str, Any] | None
+) -> list[str]:
+    template = cfg.server_cmd or os.environ.get(SERVER_CMD_ENV) or DEFAULT_SERVER_CMD
+    argv = shlex.split(
+        template.format(model=cfg.model, host=cfg.host, port=port, role=role, python=sys.executable)
+    )
+    if cfg.served_model_name:
+        argv += ["--served-model-name", cfg.served_model_name]
+    argv += ["--gpu-memory-utilization", str(gpu_share)]
+    if cfg.block_size is not None:
+        argv += ["--block-size", str(cfg.block_size)]
+    if cfg.max_model_len is not None:
+        argv += ["--max-model-len", str(cfg.max_model_len)]
+    if kv is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
+    return argv + list(cfg.vllm_args)
+
+
+def engine_env(cfg: ServeConfig, gpu: str, side_channel_port: int | None) -> dict[str, str]:
+    env = dict(cfg.env)
+    env["CUDA_VISIBLE_DEVICES"] = gpu
+    if side_channel_port is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
+    kvcached = (env.get("ENABLE_KVCACHED") or os.environ.get("ENABLE_KVCACHED", "")).lower()
+    if kvcached in ("1", "true") and "VLLM_USE_V2_MODEL_RUNNER" not in env:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    return env
+
+
+def plan_pd(cfg: ServeConfig) -> list[EngineSpec]:
+    """Prefill then decode engines: ports, GPUs, memory shares, side channels, kv roles."""
+    prefill_gpus = [cfg.prefill_gpus[i % len(cfg.prefill_gpus)] for i in range(cfg.num_prefill)]
+    decode_gpus = [cfg.decode_gpus[i % len(cfg.decode_gpus)] for i in range(cfg.num_decode)]
+    all_gpus = prefill_gpus + decode_gpus
+    specs = []
+    for k, (role, i, gpu) in enumerate(
+        [("prefill", i, g) for i, g in enumerate(prefill_gpus)]
+        + [("decode", i, g) for i, g in enumerate(decode_gpus)]
+    ):
+        base = cfg.prefill_port if role == "prefill" else cfg.decode_port
+        port = base + i
+        share = _gpu_share(cfg, all_gpus.count(gpu))
+        specs.append(
+            EngineSpec(
+                name=f"{role}{i}",
+                role=role,
+                host=cfg.host,
+                port=port,
+                argv=engine_argv(cfg, role, port, share, kv_transfer_config(cfg, role)),
+                env=engine_env(cfg, gpu, cfg.side_channel_port + k * SIDE_CHANNEL_STRIDE),
+            )
+        )
+    return specs
+
+
+def plan_colocated(cfg: ServeConfig) -> list[EngineSpec]:
+    """One plain server on the endpoint port: no connector, no side channel."""
+    share = _gpu_share(cfg, 1)
+    return [
+        EngineSpec(
+            name="colocated",
+            role="colocated",
+            host=cfg.host,
+            port=cfg.port,
+            argv=engine_argv(cfg, "colocated", cfg.port, share, None),
+            env=engine_env(cfg, cfg.prefill_gpus[0], None),
+        )
+    ]
+
+
+def proxy_argv(cfg: ServeConfig, engines: Sequence[EngineSpec]) -> list[str]:
+    t = cfg.proxy_timeouts
+    argv = [
+        sys.executable,
+        "-m",
+        "kvshare_connector.toolkit.cli",
+        "proxy",
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.port),
+        "--connect-timeout",
+        str(t.connect),
+        "--read-timeout",
+        str(t.read),
+    ]
+    argv += ["--prefill", *[e.url for e in engines if e.role == "prefill"]]
+    argv += ["--decode", *[e.url for e in engines if e.role == "decode"]]
+    return argv
+
+
+def _shares_gpu(engines: Sequence[EngineSpec]) -> bool:
+    gpus = [e.env["CUDA_VISIBLE_DEVICES"] for e in engines]
+    return len(set(gpus)) < len(gpus)
+
+
+def _child_env(extra: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(extra)
+    # The proxy runs as `python -m kvshare_connector.toolkit.cli`: make the package importable even
+    # when it is used from a checkout rather than installed.
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+class Deployment:
+    """Processes of one plan; a context manager that always stops what it started."""
+
+    def __init__(self, cfg: ServeConfig, engines: list[EngineSpec], with_proxy: bool) -> None:
+        self.cfg = cfg
+        self.engines = engines
+        self.with_proxy = with_proxy
+        self.procs: list[ManagedProcess] = []
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{client_host(self.cfg.host)}:{self.cfg.port}"
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> ManagedProcess:
+        proc = ManagedProcess(name, argv, _child_env(env), self.cfg.log_dir / f"{name}.log")
+        self.procs.append(proc)
+        proc.start()
+        return proc
+
+    def start(self) -> Deployment:
+        """Start engines (sequentially when they share a GPU), then the proxy; wait healthy."""
+        cfg = self.cfg
+        parallel = cfg.parallel_start
+        if parallel is None:
+            parallel = not _shares_gpu(self.engines)
+        t0 = time.monotonic()
+        try:
+            started: list[tuple[EngineSpec, ManagedProcess]] = []
+            for spec in self.engines:
+                started.append((spec, self._spawn(spec.name, spec.argv, spec.env)))
+                if not parallel:
+                    wait_healthy(spec.url + "/health", started[-1][1], cfg.ready_timeout)
+            for spec, proc in started:
+                left = max(1.0, cfg.ready_timeout - (time.monotonic() - t0))
+                wait_healthy(spec.url + "/health", proc, left)
+            if self.with_proxy:
+                proxy = self._spawn("proxy", proxy_argv(cfg, self.engines), {})
+                wait_healthy(self.endpoint + "/health", proxy, min(cfg.ready_timeout, 60.0))
+        except BaseException:
+            self.stop()
+            raise
+        logger.info("deployment ready at %s after %.1fs", self.endpoint, time.monotonic() - t0)
+        return self
+
+    def dead(self) -> list[ManagedProcess]:
+        """Processes that exited on their own."""
+        return [p for p in self.procs if not p.alive()]
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "endpoint": self.endpoint,
+            "model": self.cfg.served_model_name or self.cfg.model,
+            "processes": [
+                {"name": p.name, "pid": p.pid, "log": str(p.log_path)} for p in self.procs
+            ],
+            "engines": [{"name": e.name, "role": e.role, "url": e.url} for e in self.engines],
+            "log_dir": str(self.cfg.log_dir),
+        }
+
+    def stop(self) -> None:
+        # Signalled in reverse start order: the proxy (no new requests), decode, prefill.
+        stop_processes(list(reversed(self.procs)), self.cfg.grace)
+
+    def __enter__(self) -> Deployment:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def pd_deployment(cfg: ServeConfig) -> Deployment:
+    return Deployment(cfg, plan_pd(cfg), with_proxy=True)
+
+
+def colocated_deployment(cfg: ServeConfig) -> Deployment:
+    return Deployment(cfg, plan_colocated(cfg), with_proxy=False)
+
+
+def run_foreground(deployment: Deployment, ready_file: Path | None = None) -> int:
+    """Start, print the endpoint, and block until Ctrl-C/SIGTERM or a server dies."""
+    import signal
+
+    def to_interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, to_interrupt)
+    try:
+        try:
+            deployment.start()
+        except LaunchError as exc:
+            logger.error("%s", exc)
+            return 1
+        info = deployment.describe()
+        print(
+            f"kvshare: ready; OpenAI endpoint {info['endpoint']}/v1 "
+            f"(model {info['model']!r}); logs in {info['log_dir']}; Ctrl-C stops",
+            flush=True,
+        )
+        if ready_file is not None:
+            # Readers poll for the file: it must appear whole.
+            write_atomic(ready_file, json.dumps(info, indent=2))
+        try:
+            while True:
+                dead = deployment.dead()
+                if dead:
+                    for p in dead:
+                        logger.error(
+                            "%s exited (code %s); log %s:\n%s",
+                            p.name,
+                            p.proc.returncode if p.proc else None,
+                            p.log_path,
+                            p.log_tail(),
+                        )
+                    return 1
+                time.sleep(0.5)
+        finally:
+            deployment.stop()
+    except KeyboardInterrupt:
+        print("kvshare: stopped", flush=True)
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)

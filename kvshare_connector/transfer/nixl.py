@@ -1,0 +1,146 @@
+"""Thin wrapper over NIXL's Python agent: register regions, read, notify.
+
+Regions are registered as raw ``(addr, len, device)`` rows: NIXL's tensor helpers reject
+non-contiguous tensors, and the regions we register are byte spans of owners' storage,
+not tensors. Descriptor lists are built per request from numpy arrays (no prepared
+per-block lists sized by the whole cache, which is what makes kvcached's whole-GPU
+reservation expensive elsewhere).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvshare_connector.common.log import get_logger
+from kvshare_connector.layout.topology import Region
+
+logger = get_logger(__name__)
+
+
+class TransportError(RuntimeError):
+    """NIXL refused or failed an operation."""
+
+
+def _nixl_api() -> Any:
+    try:
+        from nixl import _api
+    except ImportError:
+        try:
+            from nixl_cu13 import _api
+        except ImportError as exc:
+            raise TransportError("NIXL is not installed: pip install nixl-cu13==1.5.1") from exc
+    return _api
+
+
+class NixlTransport:
+    """One NIXL agent with our regions registered on it."""
+
+    def __init__(self, name: str, backends: Sequence[str] = ("UCX",), num_threads: int = 0):
+        api = _nixl_api()
+        config = api.nixl_agent_config(backends=list(backends), num_threads=num_threads)
+        self._api = api
+        self.name = name
+        self.agent = api.nixl_agent(name, config)
+        if not self.agent.backends:
+            raise TransportError(f"NIXL agent {name}: none of the backends {list(backends)} loaded")
+        self._registered: list[Any] = []
+        self._regions: set[Region] = set()
+        self.registered_bytes = 0
+
+    def register(self, regions: Sequence[Region]) -> None:
+        """Register regions once each (a kv_both engine's source and sink share an agent)."""
+        fresh = [r for r in regions if r not in self._regions]
+        self._regions.update(fresh)
+        for kind in ("DRAM", "VRAM"):
+            rows = [
+                (r.addr, r.nbytes, max(r.device_id, 0), "") for r in fresh if r.mem_kind == kind
+            ]
+            if not rows:
+                continue
+            try:
+                descs = self.agent.register_memory(rows, mem_type=kind)
+            except Exception as exc:
+                raise TransportError(
+                    f"NIXL could not register {len(rows)} {kind} region(s): {exc}"
+                ) from exc
+            self._registered.append(descs)
+            self.registered_bytes += sum(r[1] for r in rows)
+
+    def metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        try:
+            return self.agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise TransportError(f"NIXL rejected the peer's agent metadata: {exc}") from exc
+
+    def remove_peer(self, name: str) -> None:
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception as exc:
+            logger.warning("NIXL: removing peer %s failed: %s", name, exc)
+
+    def read(
+        self,
+        peer: str,
+        local_rows: np.ndarray,
+        local_kind: str,
+        remote_rows: np.ndarray,
+        remote_kind: str,
+        notification: bytes,
+    ) -> Any:
+        """Post a READ of ``remote_rows`` into ``local_rows``; the peer gets ``notification``."""
+        name = peer.decode(errors="replace") if isinstance(peer, bytes) else peer
+        try:
+            local = self.agent.get_xfer_descs(local_rows, local_kind)
+            remote = self.agent.get_xfer_descs(remote_rows, remote_kind)
+            handle = self.agent.initialize_xfer("READ", local, remote, peer, notification)
+        except Exception as exc:
+            raise TransportError(f"NIXL READ from {name} could not start: {exc}") from exc
+        try:
+            # Over UCX's shared-memory transports most of the copy happens inside this
+            # call: a peer that dies now makes it raise, mid-transfer.
+            state = self.agent.transfer(handle)
+        except Exception as exc:
+            self.release(handle)
+            raise TransportError(f"NIXL READ from {name} failed: {exc}") from exc
+        if state == "ERR":
+            self.release(handle)
+            raise TransportError(f"NIXL READ from {name} failed at post")
+        return handle
+
+    def state(self, handle: Any) -> str:
+        """``DONE``, ``PROC`` or ``ERR``."""
+        try:
+            return self.agent.check_xfer_state(handle)
+        except Exception as exc:
+            logger.warning("NIXL: transfer state unavailable: %s", exc)
+            return "ERR"
+
+    def release(self, handle: Any) -> None:
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception as exc:  # a handle of a dead peer may refuse release
+            logger.warning("NIXL: releasing a transfer failed: %s", exc)
+
+    def notify(self, peer: str, message: bytes) -> None:
+        try:
+            self.agent.send_notif(peer, message)
+        except Exception as exc:
+            logger.warning("NIXL: notifying %s failed: %s", peer, exc)
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        return self.agent.get_new_notifs()
+
+    def close(self) -> None:
+        for descs in self._registered:
+            try:
+                self.agent.deregister_memory(descs)
+            except Exception as exc:
+                logger.warning("NIXL: deregistering memory failed: %s", exc)
+        self._registered.clear()
+        self._regions.clear()

@@ -1,0 +1,204 @@
+"""Packed transfer, the torch half: a registered staging area and the gather/scatter kernels.
+
+``layout.staging`` decides where every byte goes; this module moves them with one indexed
+copy per backing storage (a few kernels per request instead of one NIXL descriptor per
+block and layer). On CUDA the copies run on a side stream that first waits for the compute
+stream, and report completion through an event, so neither side blocks the engine loop.
+torch is imported lazily: the transfer layer stays importable without it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvshare_connector.layout.staging import word_indices, word_size
+from kvshare_connector.layout.topology import Region
+
+ALIGN = 4096  # staging slots start on page boundaries: large words for the copy kernels
+
+
+class PackingError(RuntimeError):
+    """Memory the packed path cannot reach (a run outside every known tensor)."""
+
+
+@dataclass(frozen=True)
+class _Span:
+    start: int
+    end: int
+    words: dict[int, Any]  # word size -> 2-D view of the storage (rows of one word)
+    flat: Any  # uint8 view of the whole storage
+
+
+class MemoryMap:
+    """Byte addresses -> torch views of the storages behind the KV tensors."""
+
+    def __init__(self, tensors: Iterable[Any]):
+        import torch
+
+        spans: dict[int, _Span] = {}
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            start = int(storage.data_ptr())
+            if start in spans:
+                continue
+            flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+            flat.set_(storage, 0, (storage.nbytes(),), (1,))
+            spans[start] = _Span(start, start + int(storage.nbytes()), {}, flat)
+        self._spans = sorted(spans.values(), key=lambda s: s.start)
+        self._starts = [s.start for s in self._spans]
+
+    def span_of(self, addr: int, nbytes: int) -> _Span:
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i < 0 or addr + nbytes > self._spans[i].end:
+            raise PackingError(f"no KV tensor holds {addr:#x} (+{nbytes})")
+        return self._spans[i]
+
+    def split(self, addr: np.ndarray, length: np.ndarray) -> list[tuple[_Span, np.ndarray]]:
+        """The runs grouped by the storage holding them (indices into ``addr``)."""
+        starts = np.asarray(self._starts, dtype=np.int64)
+        ends = np.asarray([s.end for s in self._spans], dtype=np.int64)
+        which = np.searchsorted(starts, addr, side="right") - 1
+        inside = (which >= 0) & (addr + length <= ends[np.maximum(which, 0)])
+        if not np.all(inside):
+            bad = int(np.flatnonzero(~inside)[0])
+            raise PackingError(f"no KV tensor holds {int(addr[bad]):#x} (+{int(length[bad])})")
+        return [(self._spans[i], np.flatnonzero(which == i)) for i in np.unique(which).tolist()]
+
+    @staticmethod
+    def rows_of(span: _Span, word: int) -> Any:
+        """The storage as rows of ``word`` bytes (int64 elements where the word allows)."""
+        if word not in span.words:
+            import torch
+
+            usable = span.flat[: (span.flat.numel() // word) * word]
+            if word % 8 == 0:
+                span.words[word] = usable.view(torch.int64).view(-1, word // 8)
+            else:
+                span.words[word] = usable.view(-1, word)
+        return span.words[word]
+
+
+class StagingArea:
+    """One contiguous buffer registered with the transport, handed out in aligned slots.
+
+    First fit over a sorted free list: requests come and go in roughly FIFO order, and a
+    full area only means a request travels unpacked (slower, still correct).
+    """
+
+    def __init__(self, nbytes: int, device: Any):
+        import torch
+
+        self.nbytes = (nbytes // ALIGN) * ALIGN
+        self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        self.memory = MemoryMap([self.buffer])
+        self.span = self.memory.span_of(int(self.buffer.data_ptr()), self.nbytes)
+        self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # (offset, size), sorted
+        self.used: dict[int, int] = {}  # offset -> size
+
+    @property
+    def addr(self) -> int:
+        return int(self.buffer.data_ptr())
+
+    @property
+    def region(self) -> Region:
+        device = self.buffer.device
+        return Region(self.addr, self.nbytes, -1 if device.type == "cpu" else device.index or 0)
+
+    def allocate(self, nbytes: int) -> int | None:
+        size = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        for i, (offset, free) in enumerate(self._free):
+            if free >= size:
+                if free == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + size, free - size)
+                self.used[offset] = size
+                return offset
+        return None
+
+    def release(self, offset: int) -> None:
+        size = self.used.pop(offset)
+        bisect.insort(self._free, (offset, size))
+        merged: list[tuple[int, int]] = []
+        for start, length in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((start, length))
+        self._free = merged
+
+
+class Copy:
+    """A gather or scatter in flight: ``done()`` once the bytes are in place."""
+
+    def __init__(self, event: Any | None):
+        self._event = event
+
+    def done(self) -> bool:
+        return self._event is None or bool(self._event.query())
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+
+class Packer:
+    """Gathers a request's runs into a staging slot, or scatters a slot into blocks."""
+
+    def __init__(self, memory: MemoryMap, staging: StagingArea):
+        self.memory = memory
+        self.staging = staging
+        self._stream: Any = None
+        if staging.buffer.device.type == "cuda":
+            import torch
+
+            self._stream = torch.cuda.Stream(device=staging.buffer.device)
+
+    def gather(self, addr: np.ndarray, length: np.ndarray, slot_offsets: np.ndarray) -> Copy:
+        """Copy runs ``(addr, length)`` of the KV memory to ``slot_offsets`` of the area."""
+        return self._copy(addr, length, slot_offsets, to_staging=True)
+
+    def scatter(self, addr: np.ndarray, length: np.ndarray, slot_offsets: np.ndarray) -> Copy:
+        """Copy ``slot_offsets`` of the area (``length`` each) back to runs at ``addr``."""
+        return self._copy(addr, length, slot_offsets, to_staging=False)
+
+    def _copy(
+        self, addr: np.ndarray, length: np.ndarray, staged: np.ndarray, to_staging: bool
+    ) -> Copy:
+        import torch
+
+        if addr.size == 0:
+            return Copy(None)
+        device = self.staging.buffer.device
+        stream = self._stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(device))
+        context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with context:
+            for span, rows in self._by_span(addr, length):
+                offsets = addr[rows] - span.start
+                word = word_size(np.concatenate([offsets, staged[rows]]), length[rows])
+                kv_idx = word_indices(offsets, length[rows], word)
+                st_idx = word_indices(staged[rows], length[rows], word)
+                kv = MemoryMap.rows_of(span, word)
+                st = MemoryMap.rows_of(self.staging.span, word)
+                kv_i = torch.from_numpy(kv_idx).to(device, non_blocking=True)
+                st_i = torch.from_numpy(st_idx).to(device, non_blocking=True)
+                if to_staging:
+                    st.index_copy_(0, st_i, kv.index_select(0, kv_i))
+                else:
+                    kv.index_copy_(0, kv_i, st.index_select(0, st_i))
+        if stream is None:
+            return Copy(None)
+        event = torch.cuda.Event()
+        event.record(stream)
+        return Copy(event)
+
+    def _by_span(self, addr: np.ndarray, length: np.ndarray) -> list[tuple[_Span, np.ndarray]]:
+        return self.memory.split(addr, length)

@@ -1,0 +1,445 @@
+"""Wire types: the side-channel handshake, kv_transfer_params and transfer notifications.
+
+msgspec structs decoded strictly: a peer speaking garbage, an old version or a wrong type
+gets an error that names the field, never a half-filled object. kv_transfer_params keep
+vLLM's NixlConnector field names so existing PD proxies work unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvshare_connector.layout.matching import EngineIdentity
+from kvshare_connector.layout.topology import (
+    BlockGeometry,
+    Dim,
+    GroupSpec,
+    KVTopology,
+    LayerSpec,
+    OwnerLayer,
+    Region,
+)
+
+# 2: claims name their reader and block ids, the layout carries the engine identity,
+# notifications carry the reader's claim token.
+PROTOCOL_VERSION = 2
+NOTIF_PREFIX = b"kvshare:v2:"
+NOTIF_DONE = b"done:"  # decode read the blocks: free them
+NOTIF_ABORT = b"abort:"  # decode gave up on the request: free them too
+CLAIM_TOKEN_LEN = 32  # hex chars of a reader's claim token
+
+# Bounds on one side-channel request, so a peer's message costs bounded work.
+MAX_IDS_PER_MESSAGE = 256  # request ids in one claim or release
+MAX_BLOCK_IDS_PER_MESSAGE = 1 << 20  # block ids named by one claim, all groups
+MAX_ID_CHARS = 512  # one request or engine id
+
+
+class ProtocolError(ValueError):
+    """A message that does not decode into what the protocol promises."""
+
+
+class KVTransferParamsError(ValueError):
+    """Malformed ``kv_transfer_params`` of a request."""
+
+
+# ---- layout description -------------------------------------------------------------------
+
+
+class DimMsg(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    label: str
+    size: int
+    stride: int
+
+
+class OwnerMsg(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    group: int
+    base: int
+    block_stride: int
+    dims: list[DimMsg]
+    split: int
+    itemsize: int
+    device_id: int
+    labels: list[str]
+
+
+class SpecMsg(msgspec.Struct, forbid_unknown_fields=True):
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    itemsize: int
+    kind: str
+    sliding_window: int | None = None
+
+
+class GroupMsg(msgspec.Struct, forbid_unknown_fields=True):
+    index: int
+    spec: SpecMsg
+    layer_names: list[str]
+
+
+class RegionMsg(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    addr: int
+    nbytes: int
+    device_id: int
+
+
+class IdentityMsg(msgspec.Struct, forbid_unknown_fields=True):
+    """``matching.EngineIdentity`` on the wire (None: the engine did not say)."""
+
+    model: str | None = None
+    model_config_hash: str | None = None
+    dtype: str | None = None
+    cache_dtype: str | None = None
+    block_size: int | None = None
+    vllm_version: str | None = None
+
+
+class LayoutMsg(msgspec.Struct, forbid_unknown_fields=True):
+    groups: list[GroupMsg]
+    owners: list[OwnerMsg]
+    sharers: dict[str, str]
+    regions: list[RegionMsg]
+    num_blocks: int
+    layout: str
+    fingerprint: str  # of the logical layout and the identity: a tampered message fails
+    identity: IdentityMsg | None = None
+
+
+def fingerprint(topology: KVTopology, identity: EngineIdentity | None) -> str:
+    """The topology's logical fingerprint, extended by the engine identity when known."""
+    base = topology.logical_fingerprint()
+    if identity is None:
+        return base
+    return hashlib.sha256(f"{base}|{identity!r}".encode()).hexdigest()[:16]
+
+
+def identity_from_msg(msg: LayoutMsg) -> EngineIdentity | None:
+    if msg.identity is None:
+        return None
+    return EngineIdentity(**msgspec.structs.asdict(msg.identity))
+
+
+def layout_to_msg(topology: KVTopology, identity: EngineIdentity | None = None) -> LayoutMsg:
+    return LayoutMsg(
+        groups=[
+            GroupMsg(g.index, _spec_struct(g.spec), list(g.layer_names)) for g in topology.groups
+        ],
+        owners=[
+            OwnerMsg(
+                name=o.name,
+                group=o.group,
+                base=o.geometry.base,
+                block_stride=o.geometry.block_stride,
+                dims=[DimMsg(d.label, d.size, d.stride) for d in o.geometry.dims],
+                split=o.geometry.split,
+                itemsize=o.geometry.itemsize,
+                device_id=o.geometry.device_id,
+                labels=list(o.labels),
+            )
+            for o in topology.owners.values()
+        ],
+        sharers=dict(topology.sharers),
+        regions=[RegionMsg(r.addr, r.nbytes, r.device_id) for r in topology.regions],
+        num_blocks=topology.num_blocks,
+        layout=topology.layout,
+        fingerprint=fingerprint(topology, identity),
+        identity=IdentityMsg(**identity.__dict__) if identity is not None else None,
+    )
+
+
+def _spec_struct(spec: LayerSpec) -> SpecMsg:
+    return SpecMsg(
+        spec.block_size,
+        spec.num_kv_heads,
+        spec.head_size,
+        spec.dtype,
+        spec.itemsize,
+        spec.kind,
+        spec.sliding_window,
+    )
+
+
+def layout_from_msg(msg: LayoutMsg) -> KVTopology:
+    """The peer's topology (addresses in the peer's space), checked for internal sense."""
+    groups = tuple(
+        GroupSpec(
+            g.index,
+            LayerSpec(
+                g.spec.block_size,
+                g.spec.num_kv_heads,
+                g.spec.head_size,
+                g.spec.dtype,
+                g.spec.itemsize,
+                g.spec.kind,
+                g.spec.sliding_window,
+            ),
+            tuple(g.layer_names),
+        )
+        for g in msg.groups
+    )
+    if [g.index for g in groups] != list(range(len(groups))):
+        raise ProtocolError(f"layout groups are not numbered 0..{len(groups) - 1}")
+    owners = {}
+    for o in msg.owners:
+        if not 0 <= o.group < len(groups) or o.name not in groups[o.group].layer_names:
+            raise ProtocolError(f"layout owner {o.name!r} is not in its group {o.group}")
+        if not 0 <= o.split <= len(o.dims) or o.itemsize <= 0 or o.block_stride <= 0:
+            raise ProtocolError(f"layout owner {o.name!r} has an impossible geometry")
+        geometry = BlockGeometry(
+            o.base,
+            o.block_stride,
+            tuple(Dim(d.label, d.size, d.stride) for d in o.dims),
+            o.split,
+            o.itemsize,
+            o.device_id,
+        )
+        owners[o.name] = OwnerLayer(
+            o.name, o.group, groups[o.group].spec, geometry, tuple(o.labels)
+        )
+    missing = {n for g in groups for n in g.layer_names} - set(owners)
+    if missing:
+        raise ProtocolError(f"layout lists owners without geometry: {sorted(missing)[:5]}")
+    topology = KVTopology(
+        groups=groups,
+        owners=owners,
+        sharers=dict(msg.sharers),
+        regions=tuple(Region(r.addr, r.nbytes, r.device_id) for r in msg.regions),
+        num_blocks=msg.num_blocks,
+        layout=msg.layout,
+    )
+    if fingerprint(topology, identity_from_msg(msg)) != msg.fingerprint:
+        raise ProtocolError("layout fingerprint does not match its content")
+    return topology
+
+
+# ---- side channel -------------------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
+    """Decode asks prefill for its agent metadata and layout."""
+
+    protocol_version: int
+    engine_id: str  # the asking engine, for logs
+    expect_engine_id: str | None = None  # the engine the asker believes it reaches
+
+
+class HandshakeReply(msgspec.Struct, tag="handshake", forbid_unknown_fields=True):
+    protocol_version: int
+    engine_id: str
+    agent_name: str
+    agent_metadata: bytes
+    layout: LayoutMsg
+
+
+class ErrorReply(msgspec.Struct, tag="error", forbid_unknown_fields=True):
+    message: str
+
+
+class Claim(msgspec.Struct, tag="claim", forbid_unknown_fields=True):
+    """Decode, just before it reads: are these requests' blocks still held? Hold them on.
+
+    A READ is one-sided: prefill cannot refuse it. Without this, a decode that comes after
+    the lease ended would read blocks that may already hold another request's KV. The
+    first claim of a held request makes ``token`` its only reader (a second decode, from a
+    proxy retry or n>1, is refused), and every block id the reader will read must be one
+    prefill holds for that request (``block_ids``: request id -> ids per group).
+    """
+
+    protocol_version: int
+    engine_id: str
+    request_ids: list[str]
+    hold_s: float  # keep them at least this long from now (the reader's transfer bound)
+    token: str = ""  # the reader's claim token (random per read)
+    block_ids: dict[str, list[list[int]]] = {}
+    packed: bool = False  # the reader can take a packed request (``ClaimReply.packed``)
+
+
+class PackedRef(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """Where prefill packed a held request (``layout.staging``): read it from here."""
+
+    addr: int
+    nbytes: int
+    device_id: int  # -1: host memory
+
+
+class ClaimReply(msgspec.Struct, tag="claimed", forbid_unknown_fields=True):
+    held: list[str]  # held, lease extended: read now
+    gone: list[str]  # read already, or lease expired: the blocks are free
+    # refused: another reader claimed it, or the claim named blocks it does not hold
+    refused: dict[str, str] = {}
+    # held requests prefill packed, for a claim that asked (``Claim.packed``)
+    packed: dict[str, PackedRef] = {}
+    # any other id asked for: not held yet (the prefill scheduler has not handed it over)
+
+
+class Release(msgspec.Struct, tag="release", forbid_unknown_fields=True):
+    """Decode gives up on requests before it could add prefill as a NIXL peer (their
+    layouts differ), so a NIXL notification cannot reach prefill: free their blocks now
+    instead of at the end of the lease. Answered with a ``ClaimReply`` (all ``gone``)."""
+
+    protocol_version: int
+    engine_id: str
+    request_ids: list[str]
+    reason: str
+
+
+SideMessage = Hello | HandshakeReply | ErrorReply | Claim | ClaimReply | Release
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(SideMessage)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes) -> SideMessage:
+    """Strict decode of a side-channel message; ``ProtocolError`` names what is wrong."""
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        preview = data[:32].hex() + ("..." if len(data) > 32 else "")
+        raise ProtocolError(
+            f"malformed side-channel message ({exc}); {len(data)} B: {preview}"
+        ) from exc
+
+
+# ---- notifications ------------------------------------------------------------------------
+
+
+def notification(kind: bytes, request_id: str, token: str = "") -> bytes:
+    """``prefix kind token:request_id``; the token (empty before a claim) tells prefill
+    which reader speaks, so a refused second decode cannot free the first one's blocks."""
+    return NOTIF_PREFIX + kind + token.encode() + b":" + request_id.encode()
+
+
+def parse_notification(message: bytes) -> tuple[bytes, str, str]:
+    """``(kind, request_id, token)`` of one of our notifications, else ``ProtocolError``."""
+    if not message.startswith(NOTIF_PREFIX):
+        raise ProtocolError(f"not a kvshare notification: {message[:40]!r}")
+    body = message[len(NOTIF_PREFIX) :]
+    for kind in (NOTIF_DONE, NOTIF_ABORT):
+        if body.startswith(kind):
+            token, sep, request_id = body[len(kind) :].partition(b":")
+            if not sep or not request_id or len(token) > CLAIM_TOKEN_LEN:
+                break
+            try:
+                return kind, request_id.decode(), token.decode()
+            except UnicodeDecodeError as exc:
+                raise ProtocolError(f"notification with a non-UTF-8 request id: {exc}") from exc
+    raise ProtocolError(f"unknown kvshare notification: {message[:40]!r}")
+
+
+# ---- kv_transfer_params -------------------------------------------------------------------
+
+
+class RemotePrefillParams(msgspec.Struct, kw_only=True):
+    """What a decode request must carry to read its KV from a prefill engine."""
+
+    do_remote_prefill: bool
+    remote_block_ids: list[list[int]]
+    remote_engine_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    do_remote_decode: bool = False
+    tp_size: int = 1
+    remote_num_tokens: int | None = None
+    # The prompt prefill computed (absent from proxies and prefills of elsewhere).
+    remote_prompt_tokens: int | None = None
+    remote_prompt_digest: str | None = None
+
+
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """SHA-256 of the prompt's token ids (int64 little-endian): what decode checks its own
+    prompt against, so KV computed for another prompt is never loaded."""
+    h = hashlib.sha256(b"kvshare-prompt-v1\0")
+    h.update(np.asarray(token_ids, dtype="<i8").tobytes())
+    return h.hexdigest()
+
+
+def prompt_mismatch(params: RemotePrefillParams, token_ids: Sequence[int] | None) -> str | None:
+    """Why decode's prompt is not the one prefill computed, or None (also when prefill
+    did not say: a proxy or prefill from elsewhere)."""
+    if params.remote_prompt_digest is None:
+        return None
+    ids = list(token_ids or ())
+    if params.remote_prompt_tokens is not None and params.remote_prompt_tokens != len(ids):
+        return (
+            f"the prompt is not the one prefill computed: prefill had "
+            f"{params.remote_prompt_tokens} prompt tokens, this request has {len(ids)}"
+        )
+    if prompt_digest(ids) != params.remote_prompt_digest:
+        return (
+            f"the prompt is not the one prefill computed: digest of the prompt's "
+            f"{len(ids)} token ids differs from prefill's"
+        )
+    return None
+
+
+def kv_transfer_params(
+    *,
+    remote_block_ids: Sequence[Sequence[int]],
+    remote_engine_id: str,
+    remote_request_id: str,
+    remote_host: str,
+    remote_port: int,
+    remote_num_tokens: int | None,
+    tp_size: int = 1,
+    prompt_token_ids: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """The ``kv_transfer_params`` prefill returns for decode (the one place they are built)."""
+    ids = list(prompt_token_ids) if prompt_token_ids is not None else None
+    return msgspec.to_builtins(
+        RemotePrefillParams(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_block_ids=[list(ids) for ids in remote_block_ids],
+            remote_engine_id=remote_engine_id,
+            remote_request_id=remote_request_id,
+            remote_host=remote_host,
+            remote_port=remote_port,
+            tp_size=tp_size,
+            remote_num_tokens=remote_num_tokens,
+            remote_prompt_tokens=len(ids) if ids is not None else None,
+            remote_prompt_digest=prompt_digest(ids) if ids is not None else None,
+        )
+    )
+
+
+def remote_prefill_params(params: Any) -> RemotePrefillParams:
+    """Validate a decode request's kv_transfer_params (vLLM NixlConnector names)."""
+    if not isinstance(params, dict):
+        raise KVTransferParamsError(
+            f"kv_transfer_params must be an object, got {type(params).__name__}"
+        )
+    try:
+        parsed = msgspec.convert(
+            {k: v for k, v in params.items() if k in RemotePrefillParams.__struct_fields__},
+            RemotePrefillParams,
+            strict=True,
+        )
+    except msgspec.ValidationError as exc:
+        raise KVTransferParamsError(f"kv_transfer_params: {exc}") from exc
+    if not 0 < parsed.remote_port < 65536:
+        raise KVTransferParamsError(
+            f"kv_transfer_params: remote_port {parsed.remote_port} out of range"
+        )
+    if parsed.tp_size != 1:
+        raise KVTransferParamsError(
+            f"kv_transfer_params: tp_size {parsed.tp_size} (prefill with tensor parallelism is "
+            "not supported yet)"
+        )
+    for group, ids in enumerate(parsed.remote_block_ids):
+        if any(b < 0 for b in ids):
+            raise KVTransferParamsError(
+                f"kv_transfer_params: negative block id {min(ids)} - at "
+                f"`$.remote_block_ids[{group}]`"
+            )
+    return parsed

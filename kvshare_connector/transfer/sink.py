@@ -1,0 +1,488 @@
+"""Decode side of the pull transfer: handshake with prefill, claim a request, READ its blocks.
+
+No vLLM here: the connector's worker drives ``KVSink``. All NIXL calls happen on the caller's
+thread (NIXL agents are not thread-safe by default); only the side-channel ask runs in a
+helper thread so a slow or dead prefill never blocks the engine loop.
+"""
+
+import secrets
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvshare_connector.common.log import get_logger
+from kvshare_connector.layout.descriptors import (
+    BlockIds,
+    PairedOwner,
+    TransferPlan,
+    request_descriptors,
+    transfer_descriptors,
+)
+from kvshare_connector.layout.matching import EngineIdentity, LayoutMismatch, pair_owners
+from kvshare_connector.layout.staging import PackedLayout, PackedRead, packed_read
+from kvshare_connector.layout.topology import KVTopology
+from kvshare_connector.transfer import protocol
+from kvshare_connector.transfer.alignment import align_block_ids
+from kvshare_connector.transfer.nixl import NixlTransport, TransportError
+from kvshare_connector.transfer.packing import Copy, Packer
+from kvshare_connector.transfer.side_channel import SideChannelError, ask, warn_if_no_secret
+
+logger = get_logger(__name__)
+
+
+class HandshakeError(RuntimeError):
+    """The prefill side could not be reached, or answered something unusable."""
+
+
+class ClaimRefused(HandshakeError):
+    """Prefill refused this decode's claim (another reader, or blocks it does not hold)."""
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    """One finished read, for stats."""
+
+    request_id: str
+    bytes: int
+    descriptors: int
+    blocks: int
+    seconds: float  # posted -> bytes in place (the scatter included when packed)
+    packed: bool = False  # moved as a few large runs through the staging areas
+
+
+@dataclass
+class Peer:
+    engine_id: str
+    agent: str
+    topology: KVTopology
+    owners: list[PairedOwner]
+    plan: TransferPlan  # the owners' address math, prepared once for every read
+
+
+@dataclass
+class _Read:
+    request_id: str
+    params: protocol.RemotePrefillParams
+    local_ids: BlockIds
+    num_tokens: int | None = None  # decode's prompt length (None: a tool, counts unknown)
+    num_local_tokens: int = 0  # of which decode had cached locally
+    token: str = field(default_factory=lambda: secrets.token_hex(16))  # claim token
+    rows: tuple[np.ndarray, np.ndarray] | None = None  # (local, remote) READ descriptors
+    remote_ids: list[list[int]] | None = None  # the remote blocks it will read
+    created: float = field(default_factory=time.monotonic)
+    handle: object | None = None
+    started: float = 0.0
+    nbytes: int = 0
+    descriptors: int = 0
+    blocks: int = 0
+    claim: Future[protocol.ClaimReply] | None = None
+    claimed: bool = False
+    next_claim: float = 0.0
+    packed_ref: protocol.PackedRef | None = None  # where prefill packed it, if it did
+    slot: int | None = None  # our staging slot, while a packed read uses it
+    plan: PackedRead | None = None  # packed: what to READ and then copy out of the slot
+    copy: Copy | None = None  # packed: the scatter, once started
+
+
+class KVSink:
+    """Decode side: handshakes with prefill engines and reads requests' blocks from them."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        topology: KVTopology,
+        transport: NixlTransport,
+        handshake_timeout_s: float = 10.0,
+        transfer_timeout_s: float = 60.0,
+        identity: EngineIdentity | None = None,
+        secret: bytes | None = None,
+        packer: Packer | None = None,
+    ):
+        self.engine_id = engine_id
+        self.topology = topology
+        self.transport = transport
+        self.packer = packer  # set: read packed requests into a staging slot, then scatter
+        self._stuck: list[tuple[object, int]] = []  # (handle, slot) of READs we gave up on
+        self.handshake_timeout_s = handshake_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self.identity = identity
+        self.secret = secret
+        warn_if_no_secret(secret)
+        self._warned_no_identity = False
+        transport.register(topology.regions)
+        if packer is not None:
+            transport.register([packer.staging.region])
+        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvshare-handshake")
+        self._handshakes: dict[tuple[str, int], Future[protocol.HandshakeReply]] = {}
+        self._peers: dict[tuple[str, int], Peer] = {}
+        self._reads: dict[str, _Read] = {}
+        self.records: list[TransferRecord] = []
+
+    # -- handshakes --------------------------------------------------------------------
+
+    def _fetch(self, host: str, port: int, expect: str) -> protocol.HandshakeReply:
+        hello = protocol.Hello(protocol.PROTOCOL_VERSION, self.engine_id, expect)
+        try:
+            raw = ask(host, port, protocol.encode(hello), self.handshake_timeout_s, self.secret)
+        except SideChannelError as exc:
+            raise HandshakeError(str(exc)) from exc
+        try:
+            reply = protocol.decode(raw)
+        except protocol.ProtocolError as exc:
+            raise HandshakeError(f"prefill at {host}:{port} answered garbage: {exc}") from exc
+        if isinstance(reply, protocol.ErrorReply):
+            raise HandshakeError(f"prefill at {host}:{port} refused the handshake: {reply.message}")
+        if not isinstance(reply, protocol.HandshakeReply):
+            raise HandshakeError(f"prefill at {host}:{port} answered a {type(reply).__name__}")
+        if reply.protocol_version != protocol.PROTOCOL_VERSION:
+            raise HandshakeError(
+                f"prefill at {host}:{port} speaks protocol {reply.protocol_version}, this "
+                f"engine {protocol.PROTOCOL_VERSION}"
+            )
+        return reply
+
+    def _ask_claim(self, read: _Read) -> protocol.ClaimReply:
+        p = read.params
+        host, port, request_id = p.remote_host, p.remote_port, p.remote_request_id
+        claim = protocol.Claim(
+            protocol.PROTOCOL_VERSION,
+            self.engine_id,
+            [request_id],
+            self.transfer_timeout_s + 5,
+            token=read.token,
+            block_ids={request_id: read.remote_ids or []},
+            packed=self.packer is not None,
+        )
+        try:
+            reply = protocol.decode(
+                ask(host, port, protocol.encode(claim), self.handshake_timeout_s, self.secret)
+            )
+        except (SideChannelError, protocol.ProtocolError) as exc:
+            raise HandshakeError(f"claiming {request_id} at {host}:{port}: {exc}") from exc
+        if isinstance(reply, protocol.ErrorReply):
+            raise ClaimRefused(f"prefill at {host}:{port} refused the claim: {reply.message}")
+        if not isinstance(reply, protocol.ClaimReply):
+            raise HandshakeError(f"prefill at {host}:{port} answered a claim with {reply}")
+        return reply
+
+    def _claimed(self, read: _Read) -> bool:
+        """True once prefill confirmed it holds the blocks (and extended their lease).
+
+        Prefill's scheduler hands a finished request to its worker one step after it
+        returned the request's kv_transfer_params, so "not held yet" is retried until the
+        handshake bound; "gone" (read or lease expired) fails the request before any read.
+        """
+        if read.claimed:
+            return True
+        p = read.params
+        if read.claim is None:
+            if time.monotonic() >= read.next_claim:
+                read.claim = self._executor.submit(self._ask_claim, read)
+            return False
+        if not read.claim.done():
+            return False
+        reply, read.claim = read.claim.result(), None
+        if p.remote_request_id in reply.refused:
+            raise ClaimRefused(
+                f"prefill {p.remote_engine_id} refused the claim of request "
+                f"{p.remote_request_id}: {reply.refused[p.remote_request_id]}"
+            )
+        if p.remote_request_id in reply.held:
+            read.claimed = True
+            read.packed_ref = reply.packed.get(p.remote_request_id)
+            return True
+        if p.remote_request_id in reply.gone:
+            raise TransportError(
+                f"prefill {p.remote_engine_id} no longer holds request {p.remote_request_id}'s "
+                "blocks (read already, or its lease expired)"
+            )
+        if time.monotonic() - read.created > self.handshake_timeout_s:
+            raise HandshakeError(
+                f"prefill {p.remote_engine_id} never held request {p.remote_request_id} "
+                f"within {self.handshake_timeout_s:g} s"
+            )
+        read.next_claim = time.monotonic() + 0.01
+        return False
+
+    def _peer(self, host: str, port: int, expect: str) -> Peer | None:
+        """The peer if its handshake finished (raises its error), else None (in flight)."""
+        key = (host, port)
+        peer = self._peers.get(key)
+        if peer is not None and peer.engine_id == expect:
+            return peer
+        future = self._handshakes.get(key)
+        if future is None:
+            self._handshakes[key] = self._executor.submit(self._fetch, host, port, expect)
+            return None
+        if not future.done():
+            return None
+        del self._handshakes[key]
+        reply = future.result()  # raises HandshakeError
+        try:
+            remote = protocol.layout_from_msg(reply.layout)
+        except protocol.ProtocolError as exc:
+            raise HandshakeError(
+                f"prefill at {host}:{port} sent an unusable layout: {exc}"
+            ) from exc
+        remote_identity = protocol.identity_from_msg(reply.layout)
+        if remote_identity is None and self.identity is not None and not self._warned_no_identity:
+            self._warned_no_identity = True
+            logger.warning(
+                "prefill at %s:%d does not say which model it runs: only its KV layout is checked",
+                host,
+                port,
+            )
+        # raises LayoutMismatch
+        owners = pair_owners(self.topology, remote, self.identity, remote_identity)
+        if peer is not None:
+            self.transport.remove_peer(peer.agent)
+        agent = self.transport.add_peer(reply.agent_metadata)
+        peer = Peer(reply.engine_id, agent, remote, owners, TransferPlan(owners))
+        self._peers[key] = peer
+        logger.info(
+            "handshake with %s at %s:%d: %d owners, %d sharers, layout %s -> %s",
+            peer.engine_id,
+            host,
+            port,
+            len(remote.owners),
+            len(remote.sharers),
+            remote.layout,
+            self.topology.layout,
+        )
+        return peer
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def request(
+        self,
+        request_id: str,
+        params: protocol.RemotePrefillParams,
+        local_ids: BlockIds,
+        num_tokens: int | None = None,
+        num_local_tokens: int = 0,
+    ) -> None:
+        """Queue a read of ``params.remote_block_ids`` into ``local_ids`` (per group).
+
+        ``num_tokens`` (decode's prompt length) and ``num_local_tokens`` (cached locally)
+        let the sink check the exact block counts (``alignment``); without them, the
+        counts must be equal.
+        """
+        if request_id in self._reads:
+            raise ValueError(f"request {request_id} is already being read")
+        self._reads[request_id] = _Read(
+            request_id, params, [list(ids) for ids in local_ids], num_tokens, num_local_tokens
+        )
+
+    @property
+    def in_flight(self) -> set[str]:
+        return set(self._reads)
+
+    def poll(self) -> tuple[set[str], dict[str, str]]:
+        """Advance every read: ``(done, {failed request id: reason})``."""
+        done: set[str] = set()
+        failed: dict[str, str] = {}
+        now = time.monotonic()
+        for read in list(self._reads.values()):
+            try:
+                if read.handle is None:
+                    if now - read.created > self.handshake_timeout_s + self.transfer_timeout_s:
+                        raise HandshakeError("timed out waiting for the prefill handshake")
+                    if self._start(read):
+                        done.add(read.request_id)
+                    continue
+                state = "DONE" if read.copy is not None else self.transport.state(read.handle)
+                if state == "DONE" and self._landed(read):
+                    self._finish(read)
+                    done.add(read.request_id)
+                elif state == "ERR":
+                    raise TransportError(f"NIXL READ from {read.params.remote_engine_id} failed")
+                elif now - read.started > self.transfer_timeout_s:
+                    raise TransportError(
+                        f"NIXL READ from {read.params.remote_engine_id} did not finish in "
+                        f"{self.transfer_timeout_s:g} s"
+                    )
+            except Exception as exc:  # every failure ends this request only
+                failed[read.request_id] = f"{type(exc).__name__}: {exc}"
+                self._abandon(read, exc)
+        for request_id in done | set(failed):
+            self._reads.pop(request_id, None)
+        self._retry_stuck()
+        return done, failed
+
+    def _start(self, read: _Read) -> bool:
+        """Start the READ once the peer is known; True if nothing had to move."""
+        p = read.params
+        peer = self._peer(p.remote_host, p.remote_port, p.remote_engine_id)
+        if peer is None:
+            return False
+        if read.rows is None:
+            if not any(read.local_ids):  # e.g. a full local prefix-cache hit: free prefill
+                note = protocol.notification(protocol.NOTIF_DONE, p.remote_request_id)
+                self.transport.notify(peer.agent, note)
+                self.records.append(TransferRecord(read.request_id, 0, 0, 0, 0.0))
+                return True
+            local_ids, read.remote_ids = align_block_ids(
+                read.local_ids,
+                p.remote_block_ids,
+                self.topology.groups,
+                read.num_tokens,
+                read.num_local_tokens,
+                p.remote_num_tokens,
+            )
+            read.blocks = sum(len(ids) for ids in local_ids)
+            # Before the claim: block ids out of range fail here, not at prefill.
+            read.rows = transfer_descriptors(
+                peer.plan,
+                local_ids,
+                read.remote_ids,
+                self.topology.num_blocks,
+                peer.topology.num_blocks,
+            )
+        if not self._claimed(read):
+            return False
+        local_rows, remote_rows = read.rows
+        local_kind, remote_kind = _kind(self.topology), _kind(peer.topology)
+        read.nbytes = int(local_rows[:, 1].sum())
+        if read.packed_ref is not None and self.packer is not None:
+            packed = self._packed_rows(read, peer, local_rows, remote_rows)
+            if packed is not None:
+                local_rows, remote_rows = packed
+                local_kind = self.packer.staging.region.mem_kind
+                remote_kind = "DRAM" if read.packed_ref.device_id < 0 else "VRAM"
+        note = protocol.notification(protocol.NOTIF_DONE, p.remote_request_id, read.token)
+        read.descriptors = len(local_rows)
+        read.started = time.monotonic()
+        read.handle = self.transport.read(
+            peer.agent, local_rows, local_kind, remote_rows, remote_kind, note
+        )
+        return False
+
+    def _packed_rows(
+        self, read: _Read, peer: Peer, local_rows: np.ndarray, remote_rows: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """READ rows between the two staging slots (None: no room here, read directly).
+
+        The packed order is computed here from prefill's topology and held block ids, as
+        prefill computed it; a size that differs from prefill's means the sides disagree
+        on the request, which fails it.
+        """
+        assert self.packer is not None and read.packed_ref is not None
+        held = [[b for b in ids if b] for ids in read.params.remote_block_ids]
+        layout = PackedLayout.of(request_descriptors(peer.topology, held))
+        if layout.nbytes != read.packed_ref.nbytes:
+            raise TransportError(
+                f"prefill packed {read.packed_ref.nbytes} bytes for request "
+                f"{read.params.remote_request_id}, its layout and block ids give {layout.nbytes}"
+            )
+        plan = packed_read(layout, local_rows, remote_rows)
+        slot = self.packer.staging.allocate(plan.nbytes)
+        if slot is None:
+            return None
+        read.slot, read.plan = slot, plan
+        ref = read.packed_ref
+        local = plan.rows(
+            plan.read_local, self.packer.staging.addr + slot, self.packer.staging.region.device_id
+        )
+        return local, plan.rows(plan.read_remote, ref.addr, ref.device_id)
+
+    def _landed(self, read: _Read) -> bool:
+        """After the READ: a packed request is in place once its scatter has run."""
+        if read.plan is None or self.packer is None:
+            return True
+        if read.copy is None:
+            self.transport.release(read.handle)
+            read.handle = None
+            s = read.plan.scatter
+            read.copy = self.packer.scatter(s[:, 0], s[:, 2], read.slot + s[:, 1])
+        if not read.copy.done():
+            return False
+        self.packer.staging.release(read.slot)
+        read.slot = None
+        return True
+
+    def _finish(self, read: _Read) -> None:
+        if read.handle is not None:
+            self.transport.release(read.handle)
+        self.records.append(
+            TransferRecord(
+                read.request_id,
+                read.nbytes,
+                read.descriptors,
+                read.blocks,
+                time.monotonic() - read.started,
+                read.plan is not None,
+            )
+        )
+
+    def _retry_stuck(self) -> None:
+        """Staging slots of READs we gave up on return only once NIXL says they ended."""
+        still = []
+        for handle, slot in self._stuck:
+            if self.transport.state(handle) in ("DONE", "ERR"):
+                self.transport.release(handle)
+                self.packer.staging.release(slot)
+            else:
+                still.append((handle, slot))
+        self._stuck = still
+
+    def _abandon(self, read: _Read, error: Exception) -> None:
+        """Release what we hold and tell prefill (if reachable) to free its blocks."""
+        if read.slot is not None and self.packer is not None:
+            if read.copy is not None:
+                read.copy.wait()
+                self.packer.staging.release(read.slot)
+            elif read.handle is not None and self.transport.state(read.handle) not in (
+                "DONE",
+                "ERR",
+            ):
+                self._stuck.append((read.handle, read.slot))  # NIXL may still write into it
+                read.handle = None
+            else:
+                self.packer.staging.release(read.slot)
+        if read.handle is not None:
+            self.transport.release(read.handle)
+        p = read.params
+        peer = self._peers.get((p.remote_host, p.remote_port))
+        if isinstance(error, ClaimRefused):
+            return  # prefill decided: the blocks are another reader's (or not ours)
+        if peer is not None and peer.engine_id == p.remote_engine_id:
+            token = read.token if read.rows is not None else ""
+            note = protocol.notification(protocol.NOTIF_ABORT, p.remote_request_id, token)
+            self.transport.notify(peer.agent, note)
+        elif isinstance(error, LayoutMismatch):  # prefill answers, but is no NIXL peer
+            reason = "KV layouts do not match: " + "; ".join(error.differences[:3])
+            self._executor.submit(self._ask_release, p, reason)
+
+    def _ask_release(self, p: protocol.RemotePrefillParams, reason: str) -> None:
+        """Best effort: prefill's lease frees the blocks anyway if this does not arrive."""
+        release = protocol.Release(
+            protocol.PROTOCOL_VERSION, self.engine_id, [p.remote_request_id], reason
+        )
+        try:
+            ask(
+                p.remote_host,
+                p.remote_port,
+                protocol.encode(release),
+                self.handshake_timeout_s,
+                self.secret,
+            )
+        except SideChannelError as exc:
+            logger.warning(
+                "could not ask prefill %s to free request %s: %s",
+                p.remote_engine_id,
+                p.remote_request_id,
+                exc,
+            )
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.transport.close()
+
+
+def _kind(topology: KVTopology) -> str:
+    kinds = {r.mem_kind for r in topology.regions}
+    if len(kinds) != 1:
+        raise TransportError(f"KV regions span memory kinds {sorted(kinds)}")
+    return kinds.pop()

@@ -1,1 +1,0 @@
-"""Transports that move KV bytes between engines."""

@@ -1,0 +1,75 @@
+"""Transfer stats through vLLM's connector stats API (logged as "KV Transfer metrics")."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+_SERIES = ("bytes", "blocks", "descriptors", "seconds")
+# refused_*: prefill's side channel refused a message (unauthenticated, garbage, oversize,
+# rate-limited, replayed) or a claim (a second reader, blocks not held for the request).
+# packed_reads / direct_reads: how decode's reads moved (few large runs, or block by block).
+COUNTERS = (
+    "failed_loads",
+    "expired_leases",
+    "sent",
+    "refused_messages",
+    "refused_claims",
+    "packed_reads",
+    "direct_reads",
+)
+
+
+def empty_data() -> dict[str, Any]:
+    return {**{k: [] for k in _SERIES}, **{k: 0 for k in COUNTERS}}
+
+
+@dataclass
+class KVShareStats(KVConnectorStats):
+    """Per-read series (decode) and counters (both roles), aggregated across workers."""
+
+    data: dict[str, Any] = field(default_factory=empty_data)
+
+    def __post_init__(self) -> None:
+        for key, value in empty_data().items():
+            self.data.setdefault(key, value)
+
+    def record_read(self, nbytes: int, blocks: int, descriptors: int, seconds: float) -> None:
+        for key, value in zip(_SERIES, (nbytes, blocks, descriptors, seconds), strict=True):
+            self.data[key].append(value)
+
+    def count(self, counter: str, n: int = 1) -> None:
+        self.data[counter] += n
+
+    def reset(self) -> None:
+        self.data = empty_data()
+
+    def aggregate(self, other: KVConnectorStats) -> KVShareStats:
+        if not other.is_empty():
+            for key in _SERIES:
+                self.data[key].extend(other.data.get(key, []))
+            for key in COUNTERS:
+                self.data[key] += other.data.get(key, 0)
+        return self
+
+    def is_empty(self) -> bool:
+        return not self.data["seconds"] and not any(self.data[k] for k in COUNTERS)
+
+    def reduce(self) -> dict[str, int | float]:
+        seconds = self.data["seconds"]
+        total_bytes = sum(self.data["bytes"])
+        busy = sum(seconds)
+        out: dict[str, int | float] = {
+            "reads": len(seconds),
+            "MB read": round(total_bytes / 1e6, 3),
+            "blocks read": sum(self.data["blocks"]),
+            "descriptors": sum(self.data["descriptors"]),
+            "read p50 ms": round(statistics.median(seconds) * 1e3, 3) if seconds else 0,
+            "read max ms": round(max(seconds) * 1e3, 3) if seconds else 0,
+            "GB/s": round(total_bytes / busy / 1e9, 3) if busy else 0,
+        }
+        out.update({k: self.data[k] for k in COUNTERS})
+        return out

@@ -1,0 +1,444 @@
+"""A fake vLLM OpenAI server for CPU tests of the PD proxy, the launcher and the sweep.
+
+It speaks the same HTTP as ``vllm serve`` (``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models``, ``/health``, SSE streaming) and is strict about the PD protocol, so a proxy
+bug shows up as a 400 with a precise message instead of a silently wrong answer:
+
+* ``prefill`` requires ``max_tokens == 1``, ``stream`` false and
+  ``kv_transfer_params.do_remote_decode`` true; it answers NIXL-style ``kv_transfer_params``
+  and remembers them under ``remote_request_id``.
+* ``decode`` requires exactly those parameters: it *pulls* the record from the prefill
+  server named by ``remote_host``/``remote_port`` (this fake's HTTP port doubles as its side
+  channel), checks every field and the prompt digest, and consumes the record (a second
+  pull fails, as a freed KV block would).
+* ``colocated`` is a plain server.
+
+Generation is deterministic and derived from the prompt, so PD output can be compared with the
+colocated baseline: the last ``a <op> b`` in the prompt is answered as ``#### n`` (wrong on
+purpose when ``a + b`` is divisible by 3, so accuracy is neither 0 nor 1).
+
+With ``FAKE_CORRUPT_DECODE=1`` in its environment a decode server shifts every number it
+generates (a negative control for the sweep).
+
+Run as ``python tests/support/fake_vllm_server.py --port N --role prefill|decode|colocated``;
+unknown (vLLM) arguments are accepted, and ``--kv-transfer-config`` is checked against the role.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import re
+import socket
+import sys
+import threading
+import time
+import uuid
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+KV_KEYS = frozenset(
+    {
+        "do_remote_prefill",
+        "do_remote_decode",
+        "remote_engine_id",
+        "remote_block_ids",
+        "remote_request_id",
+        "remote_host",
+        "remote_port",
+        "tp_size",
+        "remote_num_tokens",
+    }
+)
+FAIL_MODES = ("none", "garbage", "no_kv", "bad_kv", "error400", "error500", "slow", "hang_stream")
+ROLE_TO_KV_ROLES = {
+    "prefill": {"kv_producer", "kv_both"},
+    "decode": {"kv_consumer", "kv_both"},
+    "colocated": {None},
+}
+ENV_REPORTED = (
+    "VLLM_NIXL_SIDE_CHANNEL_PORT",
+    "VLLM_NIXL_SIDE_CHANNEL_HOST",
+    "CUDA_VISIBLE_DEVICES",
+    "ENABLE_KVCACHED",
+    "KVCACHED_CONTIGUOUS_LAYOUT",
+    "VLLM_USE_V2_MODEL_RUNNER",
+    "FAKE_MARKER",
+    "FAKE_CORRUPT_DECODE",
+)
+_ARITH = re.compile(r"(-?\d+)\s*([+*-])\s*(-?\d+)")
+_TOKEN = re.compile(r"\s*\S+|\s+")
+
+
+def fake_answer(a: int, op: str, b: int) -> int:
+    """The fake model's answer: right unless ``a + b`` is divisible by 3."""
+    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return value + 1 if (a + b) % 3 == 0 else value
+
+
+def fake_text(prompt: str) -> str:
+    """Deterministic "generation" for a prompt (before stop strings and max_tokens)."""
+    found = _ARITH.findall(prompt)
+    if found:
+        a, op, b = found[-1]
+        n = fake_answer(int(a), op, int(b))
+        return f" The answer is {n}. #### {n}\n\nQuestion: what next?"
+    h = zlib.crc32(prompt.encode())
+    return " " + " ".join(f"w{(h >> s) & 0xFF}" for s in range(0, 24, 3)) + "\n\nQuestion:"
+
+
+def fake_tokens(
+    prompt: str, max_tokens: int | None, stop: list[str], corrupt: bool = False
+) -> tuple[list[str], str]:
+    """Tokens (whitespace-led words) and finish reason, honouring stop strings and max_tokens.
+
+    ``corrupt`` imitates a decode that attended to the wrong KV: every number shifts by 2.
+    """
+    text = fake_text(prompt)
+    if corrupt:
+        text = re.sub(r"-?\d+", lambda m: str(int(m.group()) + 2), text)
+    finish = "length"
+    cut = [text.find(s) for s in stop if s and s in text]
+    if cut:
+        text, finish = text[: min(cut)], "stop"
+    tokens = _TOKEN.findall(text)
+    if max_tokens is not None and len(tokens) > max_tokens:
+        tokens, finish = tokens[:max_tokens], "length"
+    elif not cut:
+        finish = "stop"
+    return tokens, finish
+
+
+def token_logprob(token: str) -> float:
+    return -((zlib.crc32(token.encode()) % 1000) / 1000.0)
+
+
+def prompt_of(body: dict[str, Any], chat: bool) -> str:
+    if chat:
+        return "\n".join(str(m.get("content", "")) for m in body.get("messages", []))
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list):
+        if len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, list):
+            return " ".join(str(t) for t in prompt)
+    return str(prompt)
+
+
+def digest(body: dict[str, Any], chat: bool) -> str:
+    payload = body.get("messages") if chat else body.get("prompt")
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class PDViolation(Exception):
+    """The request breaks the PD protocol; answered as a 400 naming the problem."""
+
+
+@dataclass
+class FakeState:
+    role: str
+    model: str = "fake-model"
+    port: int = 0
+    fail_mode: str = "none"
+    delay: float = 0.0
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    issued: dict[str, dict[str, Any]] = field(default_factory=dict)
+    hits: Counter = field(default_factory=Counter)
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    launch: dict[str, Any] = field(default_factory=dict)
+
+
+def _check_prefill(body: dict[str, Any], chat: bool) -> None:
+    kv = body.get("kv_transfer_params")
+    if not isinstance(kv, dict) or kv.get("do_remote_decode") is not True:
+        raise PDViolation(f"prefill expects kv_transfer_params.do_remote_decode=true, got {kv}")
+    if kv.get("do_remote_prefill"):
+        raise PDViolation("prefill got do_remote_prefill=true")
+    if body.get("max_tokens") != 1:
+        raise PDViolation(f"prefill expects max_tokens=1, got {body.get('max_tokens')}")
+    if chat and "max_completion_tokens" in body and body["max_completion_tokens"] != 1:
+        raise PDViolation("prefill expects max_completion_tokens=1")
+    if body.get("stream"):
+        raise PDViolation("prefill expects stream=false")
+    if body.get("stream_options"):
+        raise PDViolation("stream_options given with stream=false")  # vLLM rejects this too
+    if (body.get("min_tokens") or 0) > 1:
+        raise PDViolation("min_tokens > max_tokens")
+
+
+async def _check_decode(
+    state: FakeState, body: dict[str, Any], chat: bool, request_id: str | None
+) -> None:
+    kv = body.get("kv_transfer_params")
+    if not isinstance(kv, dict):
+        raise PDViolation("decode expects kv_transfer_params from the prefill server")
+    if set(kv) != KV_KEYS:
+        raise PDViolation(f"decode kv_transfer_params keys {sorted(kv)} != {sorted(KV_KEYS)}")
+    if kv["do_remote_prefill"] is not True or kv["do_remote_decode"] is not False:
+        raise PDViolation(f"decode got wrong do_remote_* flags: {kv}")
+    if request_id != kv["remote_request_id"]:
+        raise PDViolation(
+            f"X-Request-Id {request_id!r} != remote_request_id {kv['remote_request_id']!r}"
+        )
+    url = f"http://{kv['remote_host']}:{kv['remote_port']}/debug/kv/{kv['remote_request_id']}"
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        try:
+            resp = await client.get(url)
+        except httpx.HTTPError as exc:
+            raise PDViolation(f"cannot pull KV from {url}: {exc!r}") from exc
+    if resp.status_code != 200:
+        raise PDViolation(f"KV pull from {url} answered {resp.status_code}: {resp.text}")
+    record = resp.json()
+    if record["kv_transfer_params"] != kv:
+        raise PDViolation(f"kv_transfer_params differ from issued: {record} vs {kv}")
+    if record["digest"] != digest(body, chat):
+        raise PDViolation("prompt differs from the one the prefill server computed KV for")
+
+
+def _completion_json(
+    state: FakeState, body: dict[str, Any], chat: bool, kv_out: dict[str, Any] | None
+) -> dict[str, Any]:
+    prompt = prompt_of(body, chat)
+    max_tokens = body.get("max_completion_tokens") if chat else None
+    max_tokens = max_tokens or body.get("max_tokens")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else list(stop)
+    corrupt = state.role == "decode" and os.environ.get("FAKE_CORRUPT_DECODE") == "1"
+    tokens, finish = fake_tokens(prompt, max_tokens, stop, corrupt)
+    text = "".join(tokens)
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "stop_reason": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+        choice["logprobs"] = None
+    else:
+        choice["text"] = text
+        choice["logprobs"] = (
+            {
+                "tokens": tokens,
+                "token_logprobs": [token_logprob(t) for t in tokens],
+                "top_logprobs": [{t: token_logprob(t)} for t in tokens],
+                "text_offset": [],
+            }
+            if body.get("logprobs")
+            else None
+        )
+    return {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:8]}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": state.model,
+        "choices": [choice],
+        "usage": {"prompt_tokens": len(_TOKEN.findall(prompt)), "completion_tokens": len(tokens)},
+        "kv_transfer_params": kv_out,
+    }
+
+
+async def _sse(state: FakeState, full: dict[str, Any], chat: bool):
+    """Stream a finished completion as SSE chunks, one token each."""
+    choice = full["choices"][0]
+    text = choice["message"]["content"] if chat else choice["text"]
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    for i, tok in enumerate(_TOKEN.findall(text)):
+        if state.fail_mode == "hang_stream" and i == 1:
+            await asyncio.sleep(3600)
+        if chat:
+            piece = {"index": 0, "delta": {"content": tok}, "finish_reason": None}
+        else:
+            piece = {"index": 0, "text": tok, "logprobs": None, "finish_reason": None}
+        chunk = {"id": full["id"], "object": obj, "model": state.model, "choices": [piece]}
+        yield f"data: {json.dumps(chunk)}\n\n".encode()
+        await asyncio.sleep(0)
+    last: dict[str, Any] = {"index": 0, "finish_reason": choice["finish_reason"]}
+    last.update({"delta": {}} if chat else {"text": ""})
+    yield f"data: {json.dumps({'id': full['id'], 'object': obj, 'choices': [last]})}\n\n".encode()
+    yield b"data: [DONE]\n\n"
+
+
+def create_fake_app(state: FakeState) -> FastAPI:
+    """The fake server's FastAPI app; ``state`` stays mutable so tests can change modes."""
+    app = FastAPI()
+    app.state.fake = state
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": state.model, "object": "model"}]}
+
+    @app.get("/debug/stats")
+    async def stats() -> dict[str, Any]:
+        return {"role": state.role, "hits": dict(state.hits), "engine_id": state.engine_id}
+
+    @app.get("/debug/launch")
+    async def launch() -> dict[str, Any]:
+        return state.launch
+
+    @app.get("/debug/kv/{request_id}")
+    async def pull_kv(request_id: str) -> Response:
+        record = state.issued.pop(request_id, None)
+        if record is None:
+            return JSONResponse({"error": f"no KV held for {request_id}"}, status_code=404)
+        return JSONResponse(record)
+
+    async def handle(request: Request, chat: bool) -> Response:
+        path = "chat" if chat else "completions"
+        state.hits[path] += 1
+        if state.delay or state.fail_mode == "slow":
+            await asyncio.sleep(state.delay or 30.0)
+        if state.fail_mode == "garbage":
+            return PlainTextResponse("<html>definitely not JSON</html>", status_code=200)
+        if state.fail_mode == "error400":
+            return JSONResponse({"error": {"message": "fake: invalid request"}}, status_code=400)
+        if state.fail_mode == "error500":
+            return JSONResponse({"error": {"message": "fake: engine died"}}, status_code=500)
+        body = await request.json()
+        request_id = request.headers.get("x-request-id")
+        state.requests.append(
+            {
+                "path": path,
+                "body": body,
+                "request_id": request_id,
+                "authorization": request.headers.get("authorization"),
+            }
+        )
+        if body.get("model") not in (None, state.model):
+            return JSONResponse(
+                {"error": {"message": f"model {body['model']!r} not served"}}, status_code=404
+            )
+        kv_out = None
+        try:
+            if state.role == "prefill":
+                _check_prefill(body, chat)
+                rid = request_id or uuid.uuid4().hex
+                kv_out = {
+                    "do_remote_prefill": True,
+                    "do_remote_decode": False,
+                    "remote_engine_id": state.engine_id,
+                    "remote_block_ids": [[1, 2, 3], [7, 8]],
+                    "remote_request_id": rid,
+                    "remote_host": "127.0.0.1",
+                    "remote_port": state.port,
+                    "tp_size": 1,
+                    "remote_num_tokens": len(_TOKEN.findall(prompt_of(body, chat))),
+                }
+                state.issued[rid] = {"kv_transfer_params": kv_out, "digest": digest(body, chat)}
+            elif state.role == "decode":
+                await _check_decode(state, body, chat, request_id)
+        except PDViolation as exc:
+            return JSONResponse(
+                {"error": {"message": f"fake {state.role}: {exc}"}}, status_code=400
+            )
+        full = _completion_json(state, body, chat, kv_out)
+        if state.fail_mode == "no_kv":
+            full.pop("kv_transfer_params")
+        elif state.fail_mode == "bad_kv" and kv_out:
+            full["kv_transfer_params"] = {k: v for k, v in kv_out.items() if k != "tp_size"}
+        if body.get("stream"):
+            return StreamingResponse(_sse(state, full, chat), media_type="text/event-stream")
+        return JSONResponse(full)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle(request, chat=True)
+
+    return app
+
+
+class ThreadServer:
+    """Runs an ASGI app with uvicorn in a daemon thread on an ephemeral 127.0.0.1 port."""
+
+    def __init__(self, app: Any) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port: int = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            app, log_level="warning", timeout_graceful_shutdown=1, lifespan="on"
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
+        )
+
+    def __enter__(self) -> ThreadServer:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("uvicorn test server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
+
+
+def fake_server(role: str, **kwargs: Any) -> ThreadServer:
+    """A fake vLLM server in a thread; its ``FakeState`` is ``server.state``."""
+    state = FakeState(role=role, **kwargs)
+    server = ThreadServer(create_fake_app(state))
+    state.port = server.port
+    server.state = state  # type: ignore[attr-defined]
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model_pos", nargs="?", help="model (like `vllm serve MODEL`)")
+    parser.add_argument("--role", choices=sorted(ROLE_TO_KV_ROLES), required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--kv-transfer-config", default=None)
+    parser.add_argument("--fail-mode", choices=FAIL_MODES, default="none")
+    parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--startup-delay", type=float, default=0.0)
+    args, unknown = parser.parse_known_args(argv)
+    kv_role = json.loads(args.kv_transfer_config)["kv_role"] if args.kv_transfer_config else None
+    if kv_role not in ROLE_TO_KV_ROLES[args.role]:
+        print(f"fake server: role {args.role} cannot run with kv_role {kv_role}", file=sys.stderr)
+        return 2
+    state = FakeState(
+        role=args.role,
+        model=args.served_model_name or args.model_pos or "fake-model",
+        port=args.port,
+        fail_mode=args.fail_mode,
+        delay=args.delay,
+    )
+    state.launch = {
+        "argv": sys.argv[1:] if argv is None else argv,
+        "unknown_args": unknown,
+        "kv_transfer_config": json.loads(args.kv_transfer_config)
+        if args.kv_transfer_config
+        else None,
+        "env": {k: os.environ.get(k) for k in ENV_REPORTED},
+        "pid": os.getpid(),
+        "pgid": os.getpgid(0),
+    }
+    print(f"fake {args.role} server pid={os.getpid()} port={args.port}", flush=True)
+    time.sleep(args.startup_delay)
+    uvicorn.run(create_fake_app(state), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""A prefill peer for the transfer tests: several ``KVSource``s in one process.
+
+Starting a process that imports vLLM costs seconds, so one peer serves several sources
+(each a model, a layout, its own NIXL agent and side-channel port), each holding several
+requests with disjoint block ids and their own pattern seed. It reports on stdout, one
+JSON line each::
+
+    READY {"name", "engine_id", "layout", "requests": [{"request_id", "seed",
+           "kv_transfer_params"}], ...}          once per source
+    ALL_READY {}
+    RELEASED {"name", "read", "expired", "held", "after_s"}   whenever a source frees blocks
+    BYE {"name": {"held": [...]}, ...}            when stdin closes (then it exits)
+
+    python tests/support/transfer_peer.py --sources '[{"name": "tiny", "model": "g4tiny",
+        "layout": "per_layer", "requests": 4, "tokens": 300, "lease_s": 300}]'
+
+Source keys: name, model, layout, requests (1), tokens (300), lease_s (300), kv_mib (64),
+max_model_len (2048), seed (100), fill ("pattern": ``kvcheck.fill`` per request, or
+"bytes": every registered byte set to 0x5A, fast enough for big caches), identity (the
+``EngineIdentity`` fields the source states, default none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+import threading
+import time
+import uuid
+from typing import Any
+
+PREFIX_READY = "READY "
+PREFIX_ALL_READY = "ALL_READY "
+PREFIX_RELEASED = "RELEASED "
+PREFIX_BYE = "BYE "
+
+
+def emit(prefix: str, payload: Any) -> None:
+    print(prefix + json.dumps(payload), flush=True)
+
+
+def disjoint_requests(topology: Any, tokens: int, count: int, seed: int) -> list[list[list[int]]]:
+    """``count`` requests' block ids per group, as a block pool hands them out."""
+    from kvshare_connector.devtools.demo import requests_block_ids
+
+    return requests_block_ids(topology, tokens, count, seed)
+
+
+class Served:
+    """One source and the requests it holds."""
+
+    def __init__(self, spec: dict[str, Any]):
+        from kvshare_connector.devtools import kvcheck
+        from kvshare_connector.devtools.demo import build
+        from kvshare_connector.layout.matching import EngineIdentity
+        from kvshare_connector.transfer.nixl import NixlTransport
+        from kvshare_connector.transfer.protocol import kv_transfer_params
+        from kvshare_connector.transfer.source import KVSource
+
+        self.name = spec["name"]
+        kv_mib = spec.get("kv_mib", 64)
+        tokens = spec.get("tokens", 300)
+        count = spec.get("requests", 1)
+        seed = spec.get("seed", 100)
+        lease_s = spec.get("lease_s", 300.0)
+        self.stack, topology = build(
+            spec["model"], spec["layout"], kv_mib, spec.get("max_model_len", 2048)
+        )
+        requests = disjoint_requests(topology, tokens, count, seed)
+        if spec.get("fill", "pattern") == "pattern":
+            for index, ids in enumerate(requests):
+                kvcheck.fill(self.stack.kv_caches, topology, ids, seed=seed + index)
+        else:
+            for region in topology.regions:
+                ctypes.memset(region.addr, 0x5A, region.nbytes)
+        engine_id = f"{self.name}-{uuid.uuid4().hex[:8]}"
+        identity = EngineIdentity(**spec["identity"]) if spec.get("identity") else None
+        packer = None
+        if spec.get("packed_mib"):  # packed transfer: a host staging area over the KV
+            from kvshare_connector.transfer.packing import MemoryMap, Packer, StagingArea
+
+            staging = StagingArea(spec["packed_mib"] << 20, "cpu")
+            packer = Packer(MemoryMap(self.stack.kv_caches.values()), staging)
+        self.source = KVSource(
+            engine_id,
+            topology,
+            NixlTransport(engine_id),
+            "127.0.0.1",
+            0,
+            lease_s=lease_s,
+            identity=identity,
+            packer=packer,
+        )
+        self.started = time.monotonic()
+        described = []
+        for index, ids in enumerate(requests):
+            request_id = f"{self.name}-req-{index}"
+            self.source.hold(request_id, block_ids=ids)  # claims may name only these
+            params = kv_transfer_params(
+                remote_block_ids=ids,
+                remote_engine_id=engine_id,
+                remote_request_id=request_id,
+                remote_host=self.source.host,
+                remote_port=self.source.port,
+                remote_num_tokens=tokens,
+            )
+            described.append(
+                {"request_id": request_id, "seed": seed + index, "kv_transfer_params": params}
+            )
+        emit(
+            PREFIX_READY,
+            {
+                "name": self.name,
+                "engine_id": engine_id,
+                "model": spec["model"],
+                "layout": topology.layout,
+                "owners": len(topology.owners),
+                "sharers": len(topology.sharers),
+                "num_blocks": topology.num_blocks,
+                "registered_bytes": self.source.transport.registered_bytes,
+                "lease_s": lease_s,
+                "requests": described,
+            },
+        )
+
+    def poll(self) -> None:
+        read, expired = self.source.poll()
+        if read or expired:
+            emit(
+                PREFIX_RELEASED,
+                {
+                    "name": self.name,
+                    "read": sorted(read),
+                    "expired": sorted(expired),
+                    "held": sorted(self.source.held),
+                    "after_s": time.monotonic() - self.started,
+                },
+            )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sources", required=True, help="JSON list of source specs")
+    args = parser.parse_args()
+    served = [Served(spec) for spec in json.loads(args.sources)]
+    emit(PREFIX_ALL_READY, {})
+
+    stdin_closed = threading.Event()
+
+    def watch_stdin() -> None:
+        for _ in sys.stdin:
+            pass
+        stdin_closed.set()
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    while not stdin_closed.is_set():  # NIXL calls stay on this thread
+        for s in served:
+            s.poll()
+        time.sleep(0.005)
+    emit(PREFIX_BYE, {s.name: {"held": sorted(s.source.held)} for s in served})
+    for s in served:
+        s.source.close()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip seconds of vLLM/torch interpreter teardown
+
+
+# ---- the test side ------------------------------------------------------------------------
+
+
+class PeerProcess:
+    """A running ``transfer_peer.py``: its lines are read by a thread, so waits are bounded
+    and a chatty peer never blocks on a full pipe."""
+
+    def __init__(self, sources: list[dict[str, Any]], env: dict[str, str] | None = None):
+        import subprocess
+        from collections import deque
+
+        self.sources = {s["name"]: s for s in sources}
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, "--sources", json.dumps(sources)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
+        )
+        self.ready: dict[str, dict[str, Any]] = {}
+        self.released: list[dict[str, Any]] = []
+        self.bye: dict[str, Any] | None = None
+        self.all_ready = threading.Event()
+        self.stderr_tail: deque[str] = deque(maxlen=40)
+        self._changed = threading.Condition()
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+
+    def _read_stdout(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            with self._changed:
+                if line.startswith(PREFIX_READY):
+                    info = json.loads(line[len(PREFIX_READY) :])
+                    self.ready[info["name"]] = info
+                elif line.startswith(PREFIX_ALL_READY):
+                    self.all_ready.set()
+                elif line.startswith(PREFIX_RELEASED):
+                    self.released.append(json.loads(line[len(PREFIX_RELEASED) :]))
+                elif line.startswith(PREFIX_BYE):
+                    self.bye = json.loads(line[len(PREFIX_BYE) :])
+                self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    def _read_stderr(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.stderr_tail.append(line.rstrip())
+
+    def _wait(self, predicate: Any, timeout_s: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                value = predicate()
+                if value:
+                    return value
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.process.poll() is not None and not value):
+                    tail = "\n".join(list(self.stderr_tail)[-15:])
+                    raise TimeoutError(
+                        f"peer: {what} not seen in {timeout_s:g} s "
+                        f"(exit code {self.process.poll()}); stderr tail:\n{tail}"
+                    )
+                self._changed.wait(min(left, 0.1))
+
+    def source(self, name: str, timeout_s: float = 120.0) -> dict[str, Any]:
+        """The READY description of source ``name`` (waits for it)."""
+        return self._wait(lambda: self.ready.get(name), timeout_s, f"source {name} ready")
+
+    def request(self, name: str, index: int) -> dict[str, Any]:
+        return self.source(name)["requests"][index]
+
+    def released_event(self, name: str, request_id: str, timeout_s: float = 10.0) -> dict:
+        """The RELEASED line of source ``name`` that freed ``request_id``."""
+
+        def find() -> dict | None:
+            for event in self.released:
+                if event["name"] == name and request_id in event["read"] + event["expired"]:
+                    return event
+            return None
+
+        return self._wait(find, timeout_s, f"release of {request_id}")
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        with self._changed:
+            return [e for e in self.released if e["name"] == name]
+
+    def kill(self) -> None:
+        """SIGKILL, no goodbye."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=10)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Close stdin (the peer says BYE and exits); kill it if it does not."""
+        import subprocess
+
+        if self.process.poll() is None:
+            try:
+                assert self.process.stdin is not None
+                self.process.stdin.close()
+                self.process.wait(timeout=timeout_s)
+            except (subprocess.TimeoutExpired, OSError, BrokenPipeError):
+                pass
+        self.kill()

@@ -1,0 +1,331 @@
+"""Fail-closed checks of a transfer (issue 13, item 4): block counts, null blocks, the
+prompt's identity, one reader per request, claims within the request's blocks, the engine
+identity. In-process: a ``KVSource`` on a stand-in transport (claims are side-channel
+business, no NIXL), vLLM's real Scheduler for the prompt check."""
+
+from __future__ import annotations
+
+import re
+import socket
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvshare_connector.layout.matching import EngineIdentity, config_digest, differences
+from kvshare_connector.layout.topology import (
+    BlockGeometry,
+    Dim,
+    GroupSpec,
+    KVTopology,
+    LayerSpec,
+    OwnerLayer,
+    Region,
+)
+from kvshare_connector.transfer import protocol
+from kvshare_connector.transfer.side_channel import ask
+from kvshare_connector.transfer.sink import align_block_ids
+
+# ---- a. block counts, c. null blocks ----------------------------------------------------
+
+
+def _group(index: int, block_size: int, window: int | None = None) -> GroupSpec:
+    kind = "sliding" if window else "full"
+    spec = LayerSpec(block_size, 1, 8, "bfloat16", 2, kind, window)
+    return GroupSpec(index, spec, (f"layer.{index}",))
+
+
+FULL16 = _group(0, 16)
+SLIDE32 = _group(1, 32, window=128)  # keep = ceil(128 / 32) + 1 = 5 blocks
+
+
+def test_block_counts_must_be_equal_without_decode_token_counts():
+    with pytest.raises(protocol.KVTransferParamsError, match="group 0: prefill sent 2 block"):
+        align_block_ids([[1, 2, 3]], [[7, 8]])  # decode holds more than prefill sent
+    with pytest.raises(protocol.KVTransferParamsError, match="group 1: prefill sent 3 block"):
+        align_block_ids([[1, 2], [4]], [[7, 8], [9, 10, 11]])  # silently truncated before
+
+
+def test_legitimate_counts_pair_at_the_tail():
+    groups = [FULL16, SLIDE32]
+    # 300 tokens, nothing cached: full 19 blocks; window 10 blocks clipped to 5, of which
+    # decode loads cdiv(300, 32) - (300 - 127) // 32 = 10 - 5 = 5.
+    local = [list(range(100, 119)), [200, 201, 202, 203, 204]]
+    remote = [list(range(1, 20)), [21, 22, 23, 24, 25]]
+    out_l, out_r = align_block_ids(local, remote, groups, 300, 0, 300)
+    assert out_l == local and out_r == remote
+
+    # 310 tokens, 64 cached locally: full group loads blocks 4..19 (16); window: decode
+    # starts at max(64 // 32, (310 - 127) // 32) = 5 -> 10 - 5 = 5 blocks; prefill's window
+    # tail begins with the null block its window left (position 5 of 10 is real here).
+    local = [list(range(100, 116)), [300, 301, 302, 303, 304]]
+    remote = [list(range(1, 21)), [40, 41, 42, 43, 44]]
+    out_l, out_r = align_block_ids(local, remote, groups, 310, 64, 310)
+    assert out_l == local
+    assert out_r == [list(range(5, 21)), [40, 41, 42, 43, 44]]
+
+
+def test_window_null_blocks_stay_unpaired():
+    """vLLM, 320 tokens, window 128, B 32: 10 blocks; prefill's window left positions below
+    (320 - 127) // 32 = 6 (null); its clipped tail of 5 (positions 5..9) starts with one
+    null, which decode (4 blocks, positions 6..9) does not pair."""
+    groups = [SLIDE32]
+    out_l, out_r = align_block_ids([[60, 61, 62, 63]], [[0, 51, 52, 53, 54]], groups, 320, 0, 320)
+    assert out_l == [[60, 61, 62, 63]] and out_r == [[51, 52, 53, 54]]
+
+
+@pytest.mark.parametrize(
+    ("local", "remote", "tokens", "cached", "remote_tokens", "message"),
+    [
+        # decode holds one block fewer than 300 uncached tokens need
+        ([list(range(100, 118)), [1, 2, 3, 4, 5]], None, 300, 0, 300, "group 0: prefill"),
+        # a local hit of 64 tokens leaves 15 blocks to load, not 19
+        (None, None, 300, 64, 300, "group 0: prefill sent 19 block(s) and decode holds 19"),
+        # prefill computed other tokens than this prompt
+        (None, None, 300, 0, 374, "prefill computed 374 tokens, this request's prompt has 300"),
+    ],
+)
+def test_block_counts_other_than_the_rule_are_refused(
+    local, remote, tokens, cached, remote_tokens, message
+):
+    local = local or [list(range(100, 119)), [200, 201, 202, 203, 204]]
+    remote = remote or [list(range(1, 20)), [21, 22, 23, 24, 25]]
+    with pytest.raises(protocol.KVTransferParamsError, match=re.escape(message)):
+        align_block_ids(local, remote, [FULL16, SLIDE32], tokens, cached, remote_tokens)
+
+
+def test_remote_null_block_paired_with_a_real_local_block_is_refused():
+    with pytest.raises(protocol.KVTransferParamsError, match="group 1, position 0 of decode's"):
+        align_block_ids([[5, 6], [7, 8]], [[1, 2], [0, 9]])
+
+
+# ---- b. the prompt prefill computed -----------------------------------------------------
+
+
+def test_prefill_states_its_prompt_and_decode_compares():
+    ids = list(range(3, 303))
+    params = protocol.kv_transfer_params(
+        remote_block_ids=[[1]],
+        remote_engine_id="p",
+        remote_request_id="r",
+        remote_host="127.0.0.1",
+        remote_port=5600,
+        remote_num_tokens=300,
+        prompt_token_ids=ids,
+    )
+    assert params["remote_prompt_tokens"] == 300
+    parsed = protocol.remote_prefill_params(dict(params, do_remote_prefill=True))
+    assert protocol.prompt_mismatch(parsed, ids) is None
+    assert "prefill had 300 prompt tokens, this request has 299" in protocol.prompt_mismatch(
+        parsed, ids[:-1]
+    )
+    other = [*ids[:-1], 7]
+    assert "digest of the prompt's 300 token ids" in protocol.prompt_mismatch(parsed, other)
+    # A proxy or prefill of elsewhere: nothing to compare, accepted.
+    legacy = {k: v for k, v in params.items() if not k.startswith("remote_prompt")}
+    assert protocol.prompt_mismatch(protocol.remote_prefill_params(legacy), other) is None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_decode_scheduler_refuses_another_prompt_and_computes_it_locally():
+    """vLLM's real Scheduler: a digest of another prompt fails the load before any
+    handshake (nothing listens at remote_port); a request without a digest is accepted
+    (and fails at the unreachable prefill instead)."""
+    from .support.engine_sim import Engine, decode_requests, make_request
+
+    decode = Engine(
+        "g4tiny",
+        "per_layer",
+        "kv_consumer",
+        _free_port(),
+        {"handshake_timeout_s": 1.0, "transfer_timeout_s": 2.0},
+    )
+    try:
+        base = {
+            "do_remote_prefill": True,
+            "remote_block_ids": [[1, 2]] * 6,
+            "remote_engine_id": "gone",
+            "remote_request_id": "p0",
+            "remote_host": "127.0.0.1",
+            "remote_port": _free_port(),
+            "tp_size": 1,
+            "remote_num_tokens": 200,
+        }
+        # decode_requests gives request p<i> the prompt of make_request(.., 200 + 37 i, seed i)
+        prompt = list(make_request("x", 237, 1, None, 1).prompt_token_ids)
+        wrong = dict(base, remote_prompt_tokens=200, remote_prompt_digest="0" * 64)
+        right = dict(
+            base,
+            remote_prompt_tokens=237,
+            remote_num_tokens=237,
+            remote_prompt_digest=protocol.prompt_digest(prompt),
+            remote_request_id="p1",
+        )
+        # vLLM drains the scheduler's stats every step: keep what it took.
+        taken = []
+        connector = decode.scheduler.connector
+        drain = connector.get_kv_connector_stats
+        connector.get_kv_connector_stats = lambda: taken.append(drain()) or taken[-1]
+        report = decode_requests(decode, {"p0": {"kv_transfer_params": wrong}}, 200)
+        error = report["d0"]["kv_transfer_params"]["kv_load_error"]
+        assert "the prompt is not the one prefill computed" in error, error
+        assert report["d0"]["tokens"]
+        assert sum(s.data["failed_loads"] for s in taken if s is not None) == 1
+
+        # "d1": the prompt prefill stated (237 tokens, seed 1): the digest is accepted
+        report = decode_requests(decode, {"p1": {"kv_transfer_params": right}}, 200)
+        error = report["d1"]["kv_transfer_params"]["kv_load_error"]
+        assert "no answer from the prefill side channel" in error, error  # digest accepted
+        pool = decode.scheduler.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    finally:
+        decode.close()
+
+
+# ---- d. one reader, e. only the request's blocks (KVSource on a stand-in transport) -----
+
+
+class StandInTransport:
+    """What ``KVSource`` needs of a transport, without NIXL: claims are side-channel work."""
+
+    name = "stand-in"
+    registered_bytes = 0
+
+    def __init__(self) -> None:
+        self.pending: dict[str, list[bytes]] = {}
+
+    def register(self, regions: Any) -> None:
+        return None
+
+    def metadata(self) -> bytes:
+        return b"stand-in-metadata"
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        out, self.pending = self.pending, {}
+        return out
+
+    def close(self) -> None:
+        return None
+
+
+def tiny_topology() -> KVTopology:
+    group = _group(0, 16)
+    geometry = BlockGeometry(0x10000, 512, (Dim("token", 16, 32), Dim("content", 16, 2)), 0, 2, -1)
+    owner = OwnerLayer("layer.0", 0, group.spec, geometry, ("block", "token", "content"))
+    return KVTopology(
+        groups=(group,),
+        owners={"layer.0": owner},
+        sharers={},
+        regions=(Region(0x10000, 512 * 64, -1),),
+        num_blocks=64,
+        layout="per_layer",
+    )
+
+
+@pytest.fixture
+def source():
+    from kvshare_connector.transfer.source import KVSource
+
+    made = KVSource("prefill-x", tiny_topology(), StandInTransport(), "127.0.0.1", 0, 30.0)
+    made.hold("req-a", block_ids=[[4, 5, 6]])
+    yield made
+    made.close()
+
+
+def _claim(source, token: str, blocks: list[list[int]], request_id: str = "req-a"):
+    claim = protocol.Claim(
+        protocol.PROTOCOL_VERSION,
+        "decode-1",
+        [request_id],
+        5.0,
+        token=token,
+        block_ids={request_id: blocks},
+    )
+    return protocol.decode(ask("127.0.0.1", source.port, protocol.encode(claim), 5.0))
+
+
+def test_second_reader_is_refused_while_the_first_reads_and_after(source):
+    first = _claim(source, "a" * 32, [[4, 5, 6]])
+    assert first.held == ["req-a"]
+    assert _claim(source, "a" * 32, [[4, 5, 6]]).held == ["req-a"]  # the same reader, again
+    second = _claim(source, "b" * 32, [[4, 5, 6]])
+    assert second.held == [] and "already claimed by another decode" in second.refused["req-a"]
+    # The refused reader's abort does not free the first reader's blocks ...
+    source.transport.pending = {
+        "decode-2": [protocol.notification(protocol.NOTIF_ABORT, "req-a", "b" * 32)]
+    }
+    assert source.poll() == (set(), set())
+    assert "req-a" in source.held
+    # ... the reader's done does, and a claim after the read finds the blocks gone.
+    source.transport.pending = {
+        "decode-1": [protocol.notification(protocol.NOTIF_DONE, "req-a", "a" * 32)]
+    }
+    assert source.poll() == ({"req-a"}, set())
+    late = _claim(source, "b" * 32, [[4, 5, 6]])
+    assert late.gone == ["req-a"] and late.held == []
+    assert source.take_refused()["refused_claims"] == 1
+
+
+def test_claim_of_blocks_the_request_does_not_hold_is_refused(source):
+    reply = _claim(source, "c" * 32, [[4, 5, 9]])
+    assert reply.held == []
+    assert "block(s) [9] of group 0 that prefill does not hold" in reply.refused["req-a"]
+    assert "groups of blocks" not in reply.refused["req-a"]
+    reply = _claim(source, "c" * 32, [[4], [5]])
+    assert "names 2 group(s) of blocks, prefill holds 1" in reply.refused["req-a"]
+    # A refused claim took nothing: the right claim still gets the blocks.
+    assert _claim(source, "c" * 32, [[5, 6]]).held == ["req-a"]
+
+
+def test_claims_over_the_per_message_caps_are_refused(source):
+    claim = protocol.Claim(
+        protocol.PROTOCOL_VERSION,
+        "d",
+        [f"r{i}" for i in range(protocol.MAX_IDS_PER_MESSAGE + 1)],
+        1.0,
+    )
+    reply = protocol.decode(ask("127.0.0.1", source.port, protocol.encode(claim), 5.0))
+    assert isinstance(reply, protocol.ErrorReply) and "request ids in one message" in reply.message
+    assert source.take_refused()["refused_messages"] == 1
+
+
+# ---- f. the engine identity -------------------------------------------------------------
+
+
+def test_identity_differences_are_named_and_travel_in_the_layout():
+    topology = tiny_topology()
+    mine = EngineIdentity("google/gemma-4-E2B-it", "aa", "bfloat16", "auto", 16, "0.26.0")
+    theirs = EngineIdentity("google/gemma-4-E4B-it", "bb", "float16", "fp8", 32, "0.26.1")
+    found = differences(topology, topology, mine, theirs)
+    assert found == [
+        "model: local google/gemma-4-E2B-it, remote google/gemma-4-E4B-it",
+        "model_config_hash: local aa, remote bb",
+        "dtype: local bfloat16, remote float16",
+        "cache_dtype: local auto, remote fp8",
+        "block_size: local 16, remote 32",
+        "vllm_version: local 0.26.0, remote 0.26.1",
+    ]
+    assert differences(topology, topology, mine, mine) == []
+    assert differences(topology, topology, mine, None) == []  # an engine that does not say
+
+    msg = protocol.layout_to_msg(topology, theirs)
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(msg), type=protocol.LayoutMsg)
+    protocol.layout_from_msg(wire)
+    assert protocol.identity_from_msg(wire) == theirs
+    tampered = msgspec.structs.replace(
+        wire, identity=msgspec.structs.replace(wire.identity, model="google/gemma-4-E2B-it")
+    )
+    with pytest.raises(protocol.ProtocolError, match="fingerprint does not match"):
+        protocol.layout_from_msg(tampered)
+
+
+def test_config_digest_ignores_where_the_model_was_loaded_from():
+    config = {"model_type": "gemma4", "hidden_size": 1536, "_name_or_path": "/models/a"}
+    moved = dict(config, _name_or_path="google/gemma-4-E2B-it", transformers_version="5.17")
+    assert config_digest(config) == config_digest(moved)
+    assert config_digest(config) != config_digest(dict(config, hidden_size=2048))

@@ -1,0 +1,160 @@
+"""Packed transfer checked through memory: gather on one engine, move the packed bytes, scatter
+on another engine with other block ids (and another layout), then read the KV back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvshare_connector.devtools import kvcheck
+from kvshare_connector.devtools.cpu_stack import build_cpu_stack, topology_of
+from kvshare_connector.layout.descriptors import request_descriptors, transfer_descriptors
+from kvshare_connector.layout.matching import pair_owners
+from kvshare_connector.layout.staging import (
+    PackedLayout,
+    StagingError,
+    packed_read,
+    word_indices,
+    word_size,
+)
+from kvshare_connector.transfer.packing import ALIGN, MemoryMap, Packer, StagingArea
+
+from .support.blockutil import disjoint_block_ids
+
+CASES = [
+    ("gemma4_e2b_shape", "per_layer", "per_layer"),
+    ("g4uniform", "cross_layer", "cross_layer"),
+    ("gemma4_e2b_shape", "kvcached_contiguous", "per_layer"),
+    ("gemma4_e2b_shape", "per_layer", "kvcached_per_layer"),
+]
+
+
+def fresh(model: str, layout: str):
+    stack = build_cpu_stack(model, layout, kv_bytes=32 << 20, max_model_len=1024)
+    return stack, topology_of(stack)
+
+
+def tensors_of(stack) -> list:
+    return list(stack.kv_caches.values())  # views of the cross-layer tensor where there is one
+
+
+def move(prefill, decode, remote_ids, local_ids, corrupt: bool = False) -> int:
+    """Prefill gathers its held blocks, decode READs (a copy here) and scatters; bytes moved."""
+    (p_stack, p_topo), (d_stack, d_topo) = prefill, decode
+    layout = PackedLayout.of(request_descriptors(p_topo, remote_ids))
+    p_area = StagingArea(layout.nbytes + ALIGN, "cpu")
+    p_slot = p_area.allocate(layout.nbytes)
+    Packer(MemoryMap(tensors_of(p_stack)), p_area).gather(
+        layout.addr, layout.length, p_slot + layout.offset
+    ).wait()
+
+    local_rows, remote_rows = transfer_descriptors(
+        pair_owners(d_topo, p_topo), local_ids, remote_ids, d_topo.num_blocks, p_topo.num_blocks
+    )
+    plan = packed_read(layout, local_rows, remote_rows)
+    assert len(plan.read_remote) <= len(layout.addr)  # a few large runs, not one per block
+    d_area = StagingArea(plan.nbytes + ALIGN, "cpu")
+    d_slot = d_area.allocate(plan.nbytes)
+    for (r_off, n), (l_off, _) in zip(plan.read_remote, plan.read_local, strict=True):
+        src = p_slot + r_off + (ALIGN if corrupt else 0)  # negative control: a page off
+        d_area.buffer[d_slot + l_off : d_slot + l_off + n] = p_area.buffer[src : src + n]
+    scatter = plan.scatter
+    Packer(MemoryMap(tensors_of(d_stack)), d_area).scatter(
+        scatter[:, 0], scatter[:, 2], d_slot + scatter[:, 1]
+    ).wait()
+    return plan.nbytes
+
+
+@pytest.mark.parametrize(("model", "prefill_layout", "decode_layout"), CASES)
+def test_packed_transfer_lands_every_block(model, prefill_layout, decode_layout):
+    prefill, decode = fresh(model, prefill_layout), fresh(model, decode_layout)
+    counts = [4 + 3 * g for g in range(len(prefill[1].groups))]
+    remote_ids = disjoint_block_ids(prefill[1].num_blocks, counts, seed=3)
+    local_ids = disjoint_block_ids(decode[1].num_blocks, counts, seed=4)
+    kvcheck.fill(prefill[0].kv_caches, prefill[1], remote_ids)
+
+    moved = move(prefill, decode, remote_ids, local_ids)
+
+    assert moved == int(request_descriptors(prefill[1], remote_ids)[:, 1].sum())
+    assert kvcheck.mismatches(decode[0].kv_caches, decode[1], local_ids) == []
+    assert kvcheck.nonzero_blocks_outside(decode[0].kv_caches, decode[1], local_ids) == []
+
+
+def test_packed_transfer_negative_control_is_caught():
+    prefill, decode = fresh("gemma4_e2b_shape", "per_layer"), fresh("gemma4_e2b_shape", "per_layer")
+    counts = [6] * len(prefill[1].groups)
+    remote_ids = disjoint_block_ids(prefill[1].num_blocks, counts, seed=5)
+    local_ids = disjoint_block_ids(decode[1].num_blocks, counts, seed=6)
+    kvcheck.fill(prefill[0].kv_caches, prefill[1], remote_ids)
+    move(prefill, decode, remote_ids, local_ids, corrupt=True)
+    assert kvcheck.mismatches(decode[0].kv_caches, decode[1], local_ids) != []
+
+
+def test_decode_reading_only_the_tail_reads_only_its_bytes():
+    """A local prefix-cache hit: decode loads the last blocks of each group only."""
+    prefill, decode = fresh("g4tiny", "per_layer"), fresh("g4tiny", "per_layer")
+    counts = [8] * len(prefill[1].groups)
+    remote_ids = disjoint_block_ids(prefill[1].num_blocks, counts, seed=7)
+    local_ids = disjoint_block_ids(decode[1].num_blocks, [3] * len(counts), seed=8)
+    tail = [ids[-3:] for ids in remote_ids]
+    kvcheck.fill(prefill[0].kv_caches, prefill[1], remote_ids)
+
+    layout = PackedLayout.of(request_descriptors(prefill[1], remote_ids))
+    local_rows, remote_rows = transfer_descriptors(
+        pair_owners(decode[1], prefill[1]), local_ids, tail, 10**9, 10**9
+    )
+    plan = packed_read(layout, local_rows, remote_rows)
+    assert plan.nbytes == int(local_rows[:, 1].sum()) < layout.nbytes
+
+    # Through memory, with the tail only.
+    p_area = StagingArea(layout.nbytes + ALIGN, "cpu")
+    slot = p_area.allocate(layout.nbytes)
+    Packer(MemoryMap(tensors_of(prefill[0])), p_area).gather(
+        layout.addr, layout.length, slot + layout.offset
+    ).wait()
+    d_area = StagingArea(plan.nbytes + ALIGN, "cpu")
+    for (r_off, n), (l_off, _) in zip(plan.read_remote, plan.read_local, strict=True):
+        d_area.buffer[l_off : l_off + n] = p_area.buffer[slot + r_off : slot + r_off + n]
+    Packer(MemoryMap(tensors_of(decode[0])), d_area).scatter(
+        plan.scatter[:, 0], plan.scatter[:, 2], plan.scatter[:, 1]
+    ).wait()
+    first = [len(ids) - 3 for ids in remote_ids]  # positions of the tail in the request
+    assert (
+        kvcheck.mismatches(decode[0].kv_caches, decode[1], local_ids, first_positions=first) == []
+    )
+
+
+def test_runs_outside_the_packed_request_are_refused():
+    rows = np.array([[4096, 512, 0], [8192, 512, 0]], dtype=np.uint64)
+    layout = PackedLayout.of(rows)
+    assert layout.locate(np.array([[8192 + 256, 256, 0]], dtype=np.uint64)).tolist() == [768]
+    with pytest.raises(StagingError, match="not part of the packed request"):
+        layout.locate(np.array([[4096 + 256, 512, 0]], dtype=np.uint64))  # runs past its run
+    with pytest.raises(StagingError):
+        layout.locate(np.array([[0, 16, 0]], dtype=np.uint64))
+
+
+def test_packed_layout_sorts_and_merges_runs():
+    rows = np.array([[3000, 1000, 0], [1000, 1000, 0], [2000, 1000, 0], [9000, 8, 1]], np.uint64)
+    layout = PackedLayout.of(rows)
+    assert layout.addr.tolist() == [1000, 9000]
+    assert layout.length.tolist() == [3000, 8]
+    assert layout.offset.tolist() == [0, 3000]
+    assert layout.nbytes == 3008
+
+
+def test_word_indices_and_size():
+    assert word_size(np.array([0, 4096, 8192]), np.array([4096, 4096, 512])) == 512
+    assert word_size(np.array([6]), np.array([4])) == 2
+    idx = word_indices(np.array([0, 1024]), np.array([512, 256]), 256)
+    assert idx.tolist() == [0, 1, 4]
+
+
+def test_staging_area_reuses_freed_slots():
+    area = StagingArea(4 * ALIGN, "cpu")
+    a, b = area.allocate(ALIGN), area.allocate(2 * ALIGN - 1)
+    assert (a, b) == (0, ALIGN)
+    assert area.allocate(2 * ALIGN) is None  # one page left
+    area.release(a)
+    area.release(b)
+    assert area.allocate(4 * ALIGN) == 0  # freed slots merged back into one
