@@ -1,0 +1,309 @@
+#!/usr/bin/env python3
+"""Tables and plots for bench_serving.py, recomputed from its raw files only.
+
+The raw files are what ``vllm bench serve --save-result`` wrote (one JSON per deployment,
+point and round), our decode's ``read_log`` (one JSON line per finished READ) and the
+runner's manifest ``runs.jsonl`` (which file is which run, and the wall-clock window of
+each, so READs are attributed to the run they happened in). They live in ``OUT/raw/``
+while a run is going and in ``OUT/raw.tar.gz`` after it; this module reads either, so
+``--report OUT`` reproduces summary.md, results.json and scaling.png at any later time.
+
+    python benchmarks/gpu/serving_report.py OUT
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import sys
+import tarfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+RAW = "raw"
+TARBALL = "raw.tar.gz"
+#: (key in vllm bench serve's result JSON, column header); all higher-is-better come first.
+METRICS: list[tuple[str, str]] = [
+    ("request_throughput", "req/s"),
+    ("output_throughput", "out tok/s"),
+    ("mean_ttft_ms", "TTFT mean ms"),
+    ("median_ttft_ms", "TTFT p50 ms"),
+    ("p99_ttft_ms", "TTFT p99 ms"),
+    ("median_itl_ms", "ITL p50 ms"),
+    ("p99_itl_ms", "ITL p99 ms"),
+]
+READ_METRICS: list[tuple[str, str]] = [
+    ("read_gbps", "READ GB/s"),
+    ("read_p50_ms", "READ p50 ms"),
+    ("descriptors_per_read", "desc/req"),
+    ("reads_per_request", "reads/req"),
+]
+
+
+def load_raw(out: Path) -> dict[str, bytes]:
+    """Every raw file except server logs, keyed by its path under ``raw/``."""
+    files: dict[str, bytes] = {}
+    raw_dir = out / RAW
+    if raw_dir.is_dir():
+        for path in raw_dir.rglob("*"):
+            if path.is_file() and path.suffix != ".log":
+                files[path.relative_to(raw_dir).as_posix()] = path.read_bytes()
+        return files
+    with tarfile.open(out / TARBALL, "r:gz") as tar:
+        for member in tar.getmembers():
+            name = member.name.removeprefix(f"{RAW}/")
+            if member.isfile() and not name.endswith(".log"):
+                data = tar.extractfile(member)
+                if data is not None:
+                    files[name] = data.read()
+    return files
+
+
+def pack(out: Path, keep: bool) -> None:
+    """raw/ -> raw.tar.gz (few files to bring back); raw/ is removed unless ``keep``."""
+    with tarfile.open(out / TARBALL, "w:gz") as tar:
+        tar.add(out / RAW, arcname=RAW)
+    if not keep:
+        shutil.rmtree(out / RAW)
+
+
+def _jsonl(data: bytes | None) -> list[dict[str, Any]]:
+    rows = []
+    for line in (data or b"").decode(errors="replace").splitlines():
+        line = line.strip()
+        if line:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a killed engine
+    return rows
+
+
+def read_stats(reads: list[dict[str, Any]], start: float, end: float) -> dict[str, float]:
+    """READs (with bytes) whose finish time falls in [start, end]: bandwidth as total
+    bytes over total READ seconds, the median READ time, descriptors per READ."""
+    sel = [r for r in reads if start <= r.get("time", -1.0) <= end and r.get("bytes")]
+    if not sel:
+        return {}
+    seconds = sum(r["seconds"] for r in sel)
+    return {
+        "reads": float(len(sel)),
+        "read_gbps": sum(r["bytes"] for r in sel) / seconds / 1e9 if seconds > 0 else 0.0,
+        "read_p50_ms": statistics.median(r["seconds"] for r in sel) * 1e3,
+        "descriptors_per_read": statistics.median(r["descriptors"] for r in sel),
+        "blocks_per_read": statistics.median(r["blocks"] for r in sel),
+        "mb_per_read": statistics.median(r["bytes"] for r in sel) / 1e6,
+    }
+
+
+def collect(files: dict[str, bytes]) -> dict[str, Any]:
+    """One record per timed run: its manifest entry, vLLM's metrics, our READ stats."""
+    manifest = _jsonl(files.get("runs.jsonl"))
+    deployments = json.loads(files.get("deployments.json", b"{}"))
+    meta = json.loads(files.get("meta.json", b"{}"))
+    reads: dict[str, list[dict[str, Any]]] = {}
+    for name, info in deployments.items():
+        if info.get("read_log"):
+            reads[name] = _jsonl(files.get(info["read_log"]))
+    runs = []
+    for entry in manifest:
+        if entry.get("warmup"):
+            continue
+        rec = dict(entry)
+        result = files.get(entry["file"])
+        rec["ok"] = result is not None and entry.get("rc") == 0
+        if result is not None:
+            data = json.loads(result)
+            rec["metrics"] = {k: data.get(k) for k, _ in METRICS}
+            rec["metrics"]["failed"] = data.get("failed")
+            rec["metrics"]["completed"] = data.get("completed")
+        if entry["deployment"] in reads:
+            stats = read_stats(reads[entry["deployment"]], entry["start"], entry["end"])
+            done = (rec.get("metrics") or {}).get("completed") or 0
+            if stats and done:
+                stats["reads_per_request"] = stats["reads"] / done
+            rec["reads"] = stats
+        runs.append(rec)
+    return {"meta": meta, "deployments": deployments, "runs": runs}
+
+
+def _spread(values: list[float]) -> dict[str, float] | None:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+
+
+def aggregate(collected: dict[str, Any]) -> dict[str, Any]:
+    """Per (input_len, concurrency) point and deployment: median and range over rounds;
+    per point the ratios of each ``ours*`` deployment's medians to nixl's and colocated's."""
+    groups: dict[tuple[int, int], dict[str, list[dict[str, Any]]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
+    kinds = {n: d.get("kind", n) for n, d in collected["deployments"].items()}
+    for run in collected["runs"]:
+        groups[(run["input_len"], run["concurrency"])][run["deployment"]].append(run)
+    points = []
+    for (input_len, conc), by_dep in sorted(groups.items()):
+        deps: dict[str, Any] = {}
+        for name, runs in sorted(by_dep.items()):
+            good = [r for r in runs if r["ok"]]
+            row: dict[str, Any] = {"rounds": len(runs), "ok_rounds": len(good)}
+            for key, _ in [*METRICS, ("failed", "")]:
+                row[key] = _spread([r["metrics"][key] for r in good])
+            for key, _ in READ_METRICS:
+                row[key] = _spread([r["reads"].get(key) for r in good if r.get("reads")])
+            deps[name] = row
+        ratios: dict[str, dict[str, dict[str, float | None]]] = {}
+        base = {k: [n for n in deps if kinds.get(n) == k] for k in ("nixl", "colocated")}
+        for name in deps:
+            if kinds.get(name) != "ours":
+                continue
+            for kind, names in base.items():
+                if not names:
+                    continue
+                ratios.setdefault(name, {})[f"/{kind}"] = {
+                    key: _ratio(deps[name].get(key), deps[names[0]].get(key)) for key, _ in METRICS
+                }
+        points.append(
+            {"input_len": input_len, "concurrency": conc, "deployments": deps, "ratios": ratios}
+        )
+    return {"meta": collected["meta"], "points": points}
+
+
+def _ratio(a: dict[str, float] | None, b: dict[str, float] | None) -> float | None:
+    if not a or not b or not b["median"]:
+        return None
+    return a["median"] / b["median"]
+
+
+def _cell(spread: dict[str, float] | None, digits: int = 1) -> str:
+    if not spread:
+        return "n/a"
+    med = f"{spread['median']:.{digits}f}"
+    if spread["n"] > 1:
+        return f"{med} ({spread['min']:.{digits}f}-{spread['max']:.{digits}f})"
+    return med
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """Per point: one row per deployment (median over rounds, min-max in brackets), then
+    the ours/nixl and ours/colocated ratios of medians."""
+    meta = summary["meta"]
+    lines = ["# Serving benchmark: PD (ours, NixlConnector) vs colocated", ""]
+    if meta:
+        lines += [
+            f"- model: `{meta.get('model_dir')}`; tokenizer `{meta.get('tokenizer')}`",
+            f"- output {meta.get('output_len')} tokens, {meta.get('num_prompts')} prompts per "
+            f"run, {meta.get('rounds')} rounds (order rotated), kvcached "
+            f"`{meta.get('kvcached')}` on {meta.get('kvcached_on')}, gpu mem "
+            f"{meta.get('gpu_mem')} per engine, one at a time: {meta.get('one_at_a_time')}",
+            f"- GPUs: {meta.get('gpus', 'unknown')}; started {meta.get('started')}",
+            "",
+        ]
+    lines += [
+        "Cells: median over rounds (min-max). TTFT/ITL in ms, lower is better; READ columns "
+        "from our decode's read_log (bytes / READ seconds, per-READ median time and "
+        "descriptors; reads/req < 1 means some requests were computed locally).",
+        "",
+    ]
+    heads = [h for _, h in METRICS] + ["failed"] + [h for _, h in READ_METRICS]
+    for point in summary["points"]:
+        lines += [f"## input {point['input_len']} tokens, concurrency {point['concurrency']}", ""]
+        lines += ["| deployment | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
+        for name, row in point["deployments"].items():
+            cells = [_cell(row[k], 1) for k, _ in METRICS] + [_cell(row["failed"], 0)]
+            cells += [_cell(row[k], 2) for k, _ in READ_METRICS]
+            note = (
+                ""
+                if row["ok_rounds"] == row["rounds"]
+                else f" ({row['ok_rounds']}/{row['rounds']} ok)"
+            )
+            lines.append(f"| {name}{note} | " + " | ".join(cells) + " |")
+        if point["ratios"]:
+            cols = [(n, b) for n, by in point["ratios"].items() for b in by]
+            lines += ["", "| ratio of medians | " + " | ".join(f"{n}{b}" for n, b in cols) + " |"]
+            lines.append("|---" * (len(cols) + 1) + "|")
+            for key, head in METRICS:
+                vals = [point["ratios"][n][b][key] for n, b in cols]
+                lines.append(
+                    f"| {head} | "
+                    + " | ".join("n/a" if v is None else f"{v:.3f}" for v in vals)
+                    + " |"
+                )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(summary: dict[str, Any], path: Path) -> bool:
+    """TTFT, ITL and READ GB/s against input length, one column per concurrency."""
+    points = summary["points"]
+    if len(points) < 2:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    concs = sorted({p["concurrency"] for p in points})
+    names = sorted({n for p in points for n in p["deployments"]})
+    rows = [
+        ("median_ttft_ms", "TTFT p50 (ms)"),
+        ("median_itl_ms", "ITL p50 (ms)"),
+        ("read_gbps", "READ GB/s (ours)"),
+    ]
+    fig, axes = plt.subplots(
+        len(rows), len(concs), figsize=(5 * len(concs), 3.2 * len(rows)), squeeze=False
+    )
+    for col, conc in enumerate(concs):
+        at = sorted((p for p in points if p["concurrency"] == conc), key=lambda p: p["input_len"])
+        for row, (key, label) in enumerate(rows):
+            ax = axes[row][col]
+            for name in names:
+                xs, ys, lo, hi = [], [], [], []
+                for p in at:
+                    s = p["deployments"].get(name, {}).get(key)
+                    if s:
+                        xs.append(p["input_len"])
+                        ys.append(s["median"])
+                        lo.append(s["median"] - s["min"])
+                        hi.append(s["max"] - s["median"])
+                if xs:
+                    ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=name)
+            ax.set_title(f"{label}, concurrency {conc}", fontsize=9)
+            ax.set_xlabel("input tokens")
+            ax.grid(alpha=0.3)
+            if ax.has_data():
+                ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_report(out: Path) -> dict[str, Any]:
+    """summary.md, results.json (aggregate plus every run) and scaling.png under ``out``."""
+    collected = collect(load_raw(out))
+    summary = aggregate(collected)
+    (out / "summary.md").write_text(markdown(summary))
+    (out / "results.json").write_text(
+        json.dumps({**summary, "runs": collected["runs"]}, indent=1, default=str)
+    )
+    plot(summary, out / "scaling.png")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    write_report(Path(args[0]))
+    print((Path(args[0]) / "summary.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

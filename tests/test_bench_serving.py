@@ -1,0 +1,360 @@
+"""bench_serving.py on CPU: each deployment's command line, the report from raw files shaped
+like vLLM 0.26's ``vllm bench serve --save-result`` JSON and our read_log, and one whole run
+of fake servers + the real proxy with a stand-in bench client (the real ``vllm bench serve``
+takes 40-110 s to import and start on a CPU host, too slow here)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+
+import bench_serving as bs  # noqa: E402
+import serving_report as sr  # noqa: E402
+
+FAKE = ROOT / "tests" / "support" / "fake_vllm_server.py"
+FAKE_CMD = (
+    f"{{python}} {shlex.quote(str(FAKE))} {{model}} --role {{role}} --host {{host}} --port {{port}}"
+)
+PACKAGED = ROOT / "kvshare_connector" / "devtools" / "models" / "g4tiny.json"
+
+
+def _arg(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    shutil.copyfile(PACKAGED, d / "config.json")
+    return d
+
+
+def _plan(tmp_path: Path, model_dir: Path, *extra: str) -> tuple[Any, list[bs.Planned]]:
+    tok = tmp_path / "tok"
+    tok.mkdir(exist_ok=True)
+    args = bs.build_parser().parse_args(
+        ["--out", str(tmp_path / "out"), "--model-dir", str(model_dir), "--tokenizer", str(tok),
+         *extra]
+    )  # fmt: skip
+    return args, bs.plan(args, model_dir, tok, tmp_path / "raw")
+
+
+def test_commands_of_each_deployment(tmp_path: Path, model_dir: Path) -> None:
+    _, planned = _plan(
+        tmp_path, model_dir, "--kvcached", "per_layer", "--extra-config",
+        '{"kv_lease_duration": 60}', "--ours-variants", "packed={}", 'direct={"staging_mib": 0}',
+        "--input-len", "1024", "2048",
+    )  # fmt: skip
+    assert [(p.name, p.kind) for p in planned] == [
+        ("ours-packed", "ours"), ("ours-direct", "ours"), ("nixl", "nixl"),
+        ("colocated", "colocated"),
+    ]  # fmt: skip
+    engines = {(p.name, e.role): e for p in planned for e in p.deployment.engines}
+    kv = {k: json.loads(_arg(e.argv, "--kv-transfer-config")) for k, e in engines.items()
+          if k[1] != "colocated"}  # fmt: skip
+    ours = {"kv_connector": "KVShareConnector", "kv_connector_module_path": "kvshare_connector"}
+    assert kv[("ours-packed", "prefill")] == {
+        **ours, "kv_role": "kv_producer", "kv_connector_extra_config": {"kv_lease_duration": 60}
+    }  # fmt: skip
+    read_log = str(tmp_path / "raw" / "reads" / "ours-direct.jsonl")
+    assert kv[("ours-direct", "decode")] == {
+        **ours,
+        "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"kv_lease_duration": 60, "staging_mib": 0,
+                                      "read_log": read_log},
+    }  # fmt: skip
+    assert planned[1].read_log == "reads/ours-direct.jsonl"
+    assert kv[("nixl", "prefill")] == {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
+    assert kv[("nixl", "decode")] == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+    colo = engines[("colocated", "colocated")]
+    assert "--kv-transfer-config" not in colo.argv and planned[3].read_log is None
+    # Ports and side channels never collide; prefill on GPU 0, decode on 1, colocated on 0.
+    ports = [e.port for e in engines.values()] + [p.deployment.cfg.port for p in planned]
+    assert len(set(ports)) == len(ports) - 1  # colocated serves on its endpoint port
+    side = [e.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] for e in engines.values() if e.role != "colocated"]
+    assert len(set(side)) == len(side) == 6
+    gpus = {k: e.env["CUDA_VISIBLE_DEVICES"] for k, e in engines.items()}
+    assert gpus[("nixl", "prefill")] == "0" and gpus[("nixl", "decode")] == "1"
+    assert gpus[("colocated", "colocated")] == "0"
+    # kvcached only for ours, V1 runner, one IPC segment per engine.
+    for (name, _), e in engines.items():
+        if name.startswith("ours"):
+            assert e.env["ENABLE_KVCACHED"] == "true"
+            assert e.env["KVCACHED_CONTIGUOUS_LAYOUT"] == "false"
+            assert e.env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+        else:
+            assert e.env["ENABLE_KVCACHED"] == "false" and "KVCACHED_IPC_NAME" not in e.env
+    ipc = [e.env["KVCACHED_IPC_NAME"] for (n, _), e in engines.items() if n.startswith("ours")]
+    assert len(set(ipc)) == 4
+    # Every engine: Gemma-4 overrides, Triton, no prefix caching, the share, the length.
+    for e in engines.values():
+        assert e.argv[:4] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
+        assert json.loads(_arg(e.argv, "--hf-overrides")) == {"global_head_dim": 128}
+        assert _arg(e.argv, "--attention-backend") == "TRITON_ATTN"
+        assert "--no-enable-prefix-caching" in e.argv
+        assert _arg(e.argv, "--gpu-memory-utilization") == "0.3"
+        assert _arg(e.argv, "--max-model-len") == str(2048 + 128 + 64)
+        assert _arg(e.argv, "--tokenizer") == str(tmp_path / "tok")
+        assert _arg(e.argv, "--served-model-name") == "kvshare-bench"
+    with pytest.raises(SystemExit, match="0.95"):  # four engines of 0.3 on GPU 0
+        bs.check_memory(planned, one_at_a_time=False)
+    bs.check_memory(planned, one_at_a_time=True)
+
+
+def test_kvcached_modes_and_variants() -> None:
+    assert bs.kvcached_env("none") == {"ENABLE_KVCACHED": "false"}
+    assert bs.kvcached_env("contiguous")["KVCACHED_CONTIGUOUS_LAYOUT"] == "true"
+    assert bs.parse_variants(None, {"a": 1}) == {"ours": {"a": 1}}
+    assert bs.parse_variants(['x={"a": 2}'], {"a": 1, "b": 0}) == {"ours-x": {"a": 2, "b": 0}}
+    with pytest.raises(ValueError):
+        bs.parse_variants(["no-equals"], {})
+
+
+def test_bench_command_and_seeds(tmp_path: Path, model_dir: Path) -> None:
+    args, planned = _plan(tmp_path, model_dir, "--concurrency", "4", "16", "--rounds", "2")
+    runner = bs.Runner(args, planned, tmp_path / "tok", tmp_path / "raw")
+    runs = {p.name: runner.runs_for(p, 1) for p in planned}
+    # The same prompts for every deployment at a point of a round, new ones per point/round.
+    assert [r["seed"] for r in runs["ours"]] == [r["seed"] for r in runs["colocated"]]
+    assert len({r["seed"] for r in runs["ours"] + runner.runs_for(planned[0], 0)}) == 4
+    argv = bs.bench_argv(args, planned[0], tmp_path / "tok", runs["ours"][1], tmp_path / "raw")
+    assert argv[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
+    assert _arg(argv, "--base-url") == planned[0].endpoint
+    assert _arg(argv, "--dataset-name") == "random"
+    assert _arg(argv, "--random-input-len") == "2048"
+    assert _arg(argv, "--random-output-len") == "128"
+    assert _arg(argv, "--max-concurrency") == "16"
+    assert _arg(argv, "--num-prompts") == "200"
+    assert _arg(argv, "--result-dir") == str(tmp_path / "raw" / "bench")
+    assert _arg(argv, "--result-filename") == "ours_r1_in2048_c16.json"
+    assert "--save-result" in argv and "--ignore-eos" in argv
+    assert "--ready-check-timeout-sec" not in argv  # only warmups check readiness
+
+
+# ---- the report ---------------------------------------------------------------------------
+
+
+def vllm_result(rps: float, ttft: float, itl: float, completed: int = 10) -> dict[str, Any]:
+    """What vLLM 0.26's ``vllm bench serve --save-result`` writes (no --save-detailed)."""
+    return {
+        "date": "20261130-223216", "endpoint_type": "openai", "backend": "openai",
+        "label": "x", "model_id": "kvshare-bench", "tokenizer_id": "/tmp/tok",
+        "num_prompts": completed, "request_rate": "inf", "burstiness": 1.0,
+        "max_concurrency": 4, "duration": completed / rps, "completed": completed,
+        "failed": 0, "total_input_tokens": 640, "total_output_tokens": 80,
+        "request_throughput": rps, "request_goodput": None, "output_throughput": rps * 8,
+        "total_token_throughput": rps * 72, "max_output_tokens_per_s": 72.0,
+        "max_concurrent_requests": 4, "rtfx": 0.0,
+        "mean_ttft_ms": ttft * 1.1, "median_ttft_ms": ttft, "std_ttft_ms": 1.0,
+        "p50_ttft_ms": ttft, "p90_ttft_ms": ttft * 1.5, "p99_ttft_ms": ttft * 2,
+        "mean_tpot_ms": itl, "median_tpot_ms": itl, "std_tpot_ms": 0.1, "p50_tpot_ms": itl,
+        "p90_tpot_ms": itl, "p99_tpot_ms": itl,
+        "mean_itl_ms": itl, "median_itl_ms": itl, "std_itl_ms": 0.1, "p50_itl_ms": itl,
+        "p90_itl_ms": itl * 1.2, "p99_itl_ms": itl * 3,
+        "mean_e2el_ms": 100.0, "median_e2el_ms": 100.0, "std_e2el_ms": 1.0,
+        "p50_e2el_ms": 100.0, "p90_e2el_ms": 110.0, "p99_e2el_ms": 120.0,
+        "kvshare_deployment": "x", "kvshare_round": "0",
+    }  # fmt: skip
+
+
+def write_raw(out: Path, lengths: tuple[int, ...] = (64,)) -> None:
+    """Two rounds of ours/nixl/colocated per length, a warmup, and our reads."""
+    raw = out / sr.RAW
+    (raw / "bench").mkdir(parents=True)
+    (raw / "reads").mkdir()
+    deployments = {
+        "ours": {"kind": "ours", "read_log": "reads/ours.jsonl"},
+        "nixl": {"kind": "nixl", "read_log": None},
+        "colocated": {"kind": "colocated", "read_log": None},
+    }
+    (raw / "deployments.json").write_text(json.dumps(deployments))
+    (raw / "meta.json").write_text(json.dumps({"model_dir": "/m", "rounds": 2}))
+    runs, reads, t = [], [], 1000.0
+    base = {"ours": (10.0, 50.0, 5.0), "nixl": (8.0, 60.0, 5.0), "colocated": (5.0, 40.0, 10.0)}
+    # A warmup READ: must not count.
+    runs.append({"deployment": "ours", "kind": "ours", "round": -1, "input_len": lengths[0],
+                 "concurrency": 4, "file": "warmup/ours.json", "warmup": True,
+                 "start": t, "end": t + 5, "rc": 0})  # fmt: skip
+    reads.append({"time": t + 1, "request_id": "w", "bytes": 1, "descriptors": 999,
+                  "blocks": 1, "seconds": 9.0})  # fmt: skip
+    t += 10
+    for length in lengths:
+        for rnd in range(2):
+            for name, (rps, ttft, itl) in base.items():
+                file = f"bench/{name}_r{rnd}_in{length}_c4.json"
+                scale = 1 + rnd * 0.5  # round 1 is 1.5x slower
+                (raw / file).write_text(json.dumps(vllm_result(rps / scale, ttft * scale, itl)))
+                runs.append({"deployment": name, "kind": name, "round": rnd, "input_len": length,
+                             "output_len": 8, "concurrency": 4, "num_prompts": 10, "seed": rnd,
+                             "file": file, "warmup": False, "start": t, "end": t + 5,
+                             "rc": 0})  # fmt: skip
+                if name == "ours":
+                    for i in range(10):  # length MB in length*10 us: 100 GB/s
+                        reads.append({"time": t + 1 + i * 0.1, "request_id": f"r{i}",
+                                      "bytes": length * 1_000_000, "descriptors": 30 + i,
+                                      "blocks": 4, "seconds": length * 1e-5})  # fmt: skip
+                    reads.append({"time": t + 2, "request_id": "hit", "bytes": 0,
+                                  "descriptors": 0, "blocks": 0, "seconds": 0.0})  # fmt: skip
+                t += 10
+    (raw / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+    (raw / "reads" / "ours.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reads) + "{cut")
+
+
+def test_report_from_tarball(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    write_raw(out)
+    sr.pack(out, keep=False)
+    assert not (out / sr.RAW).exists() and (out / sr.TARBALL).exists()
+    summary = sr.write_report(out)
+    (point,) = summary["points"]
+    assert (point["input_len"], point["concurrency"]) == (64, 4)
+    ours = point["deployments"]["ours"]
+    assert ours["rounds"] == ours["ok_rounds"] == 2
+    assert ours["request_throughput"] == {"median": 8.333333333333334 * 1.0, "min": 10 / 1.5,
+                                          "max": 10.0, "n": 2}  # fmt: skip
+    assert ours["median_ttft_ms"]["median"] == pytest.approx(62.5)
+    assert ours["p99_itl_ms"]["median"] == pytest.approx(15.0)
+    assert ours["read_gbps"]["median"] == pytest.approx(100.0)
+    assert ours["read_p50_ms"]["median"] == pytest.approx(0.64)
+    assert ours["descriptors_per_read"]["median"] == pytest.approx(34.5)
+    assert ours["reads_per_request"]["median"] == pytest.approx(1.0)
+    assert point["deployments"]["nixl"]["read_gbps"] is None
+    ratios = point["ratios"]["ours"]
+    assert ratios["/nixl"]["request_throughput"] == pytest.approx(10 / 8)
+    assert ratios["/colocated"]["median_ttft_ms"] == pytest.approx(50 / 40)
+    text = (out / "summary.md").read_text()
+    assert "| ours | 8.3 (6.7-10.0) |" in text and "ours/nixl" in text and "ours/colocated" in text
+    results = json.loads((out / "results.json").read_text())
+    assert len(results["runs"]) == 6 and results["points"][0]["input_len"] == 64
+    assert not (out / "scaling.png").exists()  # one point: no curve
+
+
+def test_report_scaling_plot_and_failed_run(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    write_raw(out, lengths=(64, 128))
+    (out / sr.RAW / "bench" / "nixl_r1_in128_c4.json").unlink()  # a run that left no result
+    summary = sr.write_report(out)
+    nixl = summary["points"][1]["deployments"]["nixl"]
+    assert (nixl["rounds"], nixl["ok_rounds"]) == (2, 1)
+    assert "| nixl (1/2 ok) |" in (out / "summary.md").read_text()
+    assert (out / "scaling.png").stat().st_size > 10_000
+    assert bs.main(["--report", str(out)]) == 0  # the CLI's report mode, raw dir still there
+
+
+# ---- one whole run, fake servers, the real proxy --------------------------------------------
+
+FAKE_BENCH = """
+import argparse, json, sys, time, httpx
+p = argparse.ArgumentParser()
+for flag in ("--base-url", "--model", "--result-dir", "--result-filename", "--num-prompts",
+             "--max-concurrency", "--random-input-len"):
+    p.add_argument(flag)
+args, _ = p.parse_known_args()
+t0 = time.perf_counter()
+r = httpx.post(args.base_url + "/v1/completions", timeout=30, json={
+    "model": args.model, "prompt": "What is 3 + 4?", "max_tokens": 4})
+r.raise_for_status()
+dt = time.perf_counter() - t0
+out = {"completed": 1, "failed": 0, "request_throughput": 1 / dt, "output_throughput": 4 / dt,
+       "mean_ttft_ms": dt * 1e3, "median_ttft_ms": dt * 1e3, "p99_ttft_ms": dt * 1e3,
+       "median_itl_ms": 1.0, "p99_itl_ms": 2.0, "text": r.json()["choices"][0]["text"]}
+with open(args.result_dir + "/" + args.result_filename, "w") as f:
+    json.dump(out, f)
+"""
+
+
+@pytest.mark.slow
+def test_whole_run_with_fake_servers(tmp_path: Path, model_dir: Path) -> None:
+    from kvshare_connector.toolkit.procs import pick_free_port
+
+    script = tmp_path / "fake_bench.py"
+    script.write_text(FAKE_BENCH)
+    out = tmp_path / "out"
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    base = pick_free_port()
+    rc = bs.main(
+        ["--out", str(out), "--model-dir", str(model_dir), "--tokenizer", str(tok),
+         "--input-len", "16", "--output-len", "4", "--num-prompts", "1", "--concurrency", "1",
+         "--rounds", "2", "--warmup-prompts", "1", "--server-cmd", FAKE_CMD,
+         "--bench-cmd", f"{{python}} {script}", "--base-port", str(base),
+         "--side-channel-port", str(pick_free_port()), "--ready-timeout", "60", "--grace", "5"]
+    )  # fmt: skip
+    assert rc == 0
+    assert sorted(p.name for p in out.iterdir()) == ["raw.tar.gz", "results.json", "summary.md"]
+    with tarfile.open(out / sr.TARBALL) as tar:
+        names = tar.getnames()
+    assert "raw/logs/ours/proxy.log" in names and "raw/runs.jsonl" in names
+    results = json.loads((out / "results.json").read_text())
+    assert {r["deployment"] for r in results["runs"]} == {"ours", "nixl", "colocated"}
+    assert all(r["ok"] for r in results["runs"]) and len(results["runs"]) == 6
+    # Round 1 ran in rotated order.
+    by_round = [[r["deployment"] for r in results["runs"] if r["round"] == k] for k in (0, 1)]
+    assert by_round == [["ours", "nixl", "colocated"], ["nixl", "colocated", "ours"]]
+    # Everything stopped: no endpoint answers any more.
+    for i in range(3):
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{base + bs.PORT_STRIDE * i}/health", timeout=1)
+
+
+def _procs_mentioning(text: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().decode(
+                errors="ignore"
+            ):
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.slow
+def test_sigterm_stops_servers_and_bench(tmp_path: Path, model_dir: Path) -> None:
+    from kvshare_connector.toolkit.procs import pick_free_port
+
+    out = tmp_path / "out"
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    base = pick_free_port()
+    cmd = [
+        sys.executable, str(ROOT / "benchmarks/gpu/bench_serving.py"), "--out", str(out),
+        "--model-dir", str(model_dir), "--tokenizer", str(tok), "--deployments", "ours",
+        "--warmup-prompts", "0", "--server-cmd", FAKE_CMD, "--base-port", str(base),
+        "--bench-cmd", "{python} -c 'import time; time.sleep(300)'",
+        "--side-channel-port", str(pick_free_port()), "--grace", "5",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "raw" / "logs" / "bench").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.2)
+        time.sleep(1)
+        # This runner, fake prefill and decode (model dir), the bench (tokenizer dir).
+        assert len(_procs_mentioning(str(tmp_path))) >= 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _procs_mentioning(str(tmp_path)) == []
+    assert (out / "raw.tar.gz").exists()
+    with pytest.raises(httpx.HTTPError):  # the proxy
+        httpx.get(f"http://127.0.0.1:{base}/health", timeout=1)
