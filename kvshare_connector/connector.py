@@ -11,6 +11,10 @@ Options in ``kv_connector_extra_config``:
   cross-layer blocks layout where it can (single KV cache group).
 * ``read_log`` (a path, default none): decode appends one JSON line per finished read
   (request, bytes, blocks, descriptors, seconds), to set READ time against request latency.
+* ``staging_mib`` (default 512): staging area per engine for packed transfer (a request
+  gathered, read as a few large runs, scattered); 0: block by block.
+* ``side_channel_secret`` (or env ``KVSHARE_SIDE_CHANNEL_SECRET``): HMAC key of every
+  side-channel message (docs/security.md).
 * ``backend`` (``nixl``, the default, or ``lmcache``; see ``kvshare_connector.backends``) and
   ``lmcache`` (its options, see docs/lmcache.md): move KV through LMCache instead of direct
   NIXL reads.

@@ -51,7 +51,7 @@ PEER_SOURCES = [
      "seed": 400},
     {"name": "e2b_pl", "model": E2B, "layout": "per_layer", "requests": 1, "seed": 500},
     # Packs each held request into a staging area: read as a few large runs.
-    {"name": "e2b_packed", "model": E2B, "layout": "kvcached_contiguous", "requests": 3,
+    {"name": "e2b_packed", "model": E2B, "layout": "kvcached_contiguous", "requests": 4,
      "seed": 800, "packed_mib": 16},
     {"name": "lease", "model": "g4tiny", "layout": "per_layer", "requests": 1, "lease_s": 1.5,
      "kv_mib": 8, "seed": 600},
@@ -368,6 +368,26 @@ def test_packed_read_lands_every_block_in_a_few_descriptors(peers, decoders):
     wrong = packed.read(request, local_ids, new_id("packed-wrong"), remote_block_ids=wrong_ids)
     assert wrong.done, wrong.failure
     assert wrong.stray == [] and len(wrong.mismatches) > 0
+
+    # Once prefill's claim reply is in, one poll posts the READ, sees it done and scatters:
+    # the engine learns of the load in the step the reply arrived, not steps later.
+    request = info["requests"][3]
+    rid = new_id("one-poll")
+    packed.zero()
+    packed.sink.request(
+        rid, protocol.remote_prefill_params(request["kv_transfer_params"]), local_ids
+    )
+    packed.sink.advance()  # what start_load_kv does: the claim leaves now
+    deadline = time.monotonic() + 30
+    while not (packed.sink._reads[rid].claim and packed.sink._reads[rid].claim.done()):
+        assert time.monotonic() < deadline, "no claim reply"
+        time.sleep(0.01)
+    done, failed = packed.sink.poll(spin_s=10.0)
+    assert rid in done, failed
+    assert (
+        kvcheck.mismatches(packed.stack.kv_caches, packed.topology, local_ids, seed=request["seed"])
+        == []
+    )
 
     # A decode without a staging area reads the packed prefill block by block.
     direct = decoders(E2B, "kvcached_contiguous")

@@ -151,8 +151,16 @@ def kv_transfer_config(cell: dict[str, Any], role: str, work: Path) -> dict[str,
     return kv_config
 
 
-def start_engine(path: Path, args: argparse.Namespace, kv_config: dict | None) -> tuple[Any, float]:
-    """One dummy-weight engine; returns it and its startup seconds (lock wait excluded)."""
+def start_engine(
+    path: Path,
+    args: argparse.Namespace,
+    kv_config: dict | None,
+    load_format: str = "dummy",
+    max_model_len: int = 2048,
+    jit_monitor: bool = True,
+) -> tuple[Any, float]:
+    """One engine (dummy weights unless told otherwise) started while holding ``args.lock``;
+    returns it and its startup seconds (lock wait excluded)."""
     from vllm import LLM
 
     from kvshare_connector.devtools.cpu_stack import hf_overrides_for
@@ -171,18 +179,18 @@ def start_engine(path: Path, args: argparse.Namespace, kv_config: dict | None) -
         waited = time.perf_counter() - start
         llm = LLM(
             model=str(path),
-            load_format="dummy",
+            load_format=load_format,
             skip_tokenizer_init=True,
             enforce_eager=True,
             gpu_memory_utilization=args.mem,
-            max_model_len=2048,
+            max_model_len=max_model_len,
             max_num_seqs=8,
             seed=0,
             hf_overrides=overrides,
             kv_transfer_config=kv_config,
             # Mixed head sizes make vLLM pick FA4 (CuTe DSL, not in this stack): use Triton.
             attention_backend="TRITON_ATTN" if overrides else None,
-            jit_monitor_verbose=True,  # every kernel (re)compiled while serving, with its time
+            jit_monitor_verbose=jit_monitor,  # every kernel (re)compiled, with its time
         )
         fcntl.flock(lock, fcntl.LOCK_UN)
     return llm, time.perf_counter() - start - waited
@@ -190,23 +198,29 @@ def start_engine(path: Path, args: argparse.Namespace, kv_config: dict | None) -
 
 def generate(llm: Any, batch: str, params: list[dict] | None, max_tokens: int) -> dict[str, Any]:
     """One batch of the cell's prompts, greedy; tokens, logprobs, timings, returned params."""
+    window_start = time.time()  # wall clock, as in the connector's read_log
+    out = generate_tokens(llm, prompts(batch), params, max_tokens)
+    return {**out, "window": [window_start, time.time()]}
+
+
+def generate_tokens(
+    llm: Any, token_prompts: list[list[int]], params: list[dict] | None, max_tokens: int
+) -> dict[str, Any]:
+    """Greedy generation of token-id prompts, each with its kv_transfer_params (or none)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     greedy = {"temperature": 0.0, "logprobs": 1, "detokenize": False, "ignore_eos": True}
     sampling = []
-    for i in range(len(PROMPT_LENS)):
+    for i in range(len(token_prompts)):
         extra = {"kv_transfer_params": params[i]} if params and params[i] else None
         sampling.append(SamplingParams(max_tokens=max_tokens, extra_args=extra, **greedy))
-    window_start = time.time()  # wall clock, as in the connector's read_log
     t0 = time.perf_counter()
     results = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in prompts(batch)], sampling, use_tqdm=False
+        [TokensPrompt(prompt_token_ids=p) for p in token_prompts], sampling, use_tqdm=False
     )
-    seconds = time.perf_counter() - t0
     return {
-        "seconds": seconds,
-        "window": [window_start, time.time()],
+        "seconds": time.perf_counter() - t0,
         "tokens": [list(r.outputs[0].token_ids) for r in results],
         "logprobs": [
             [

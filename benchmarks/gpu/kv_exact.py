@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
 import random
@@ -69,10 +68,8 @@ def prompts(batch: str, vocab: int) -> list[list[int]]:
 
 
 def engine_main(args: argparse.Namespace) -> None:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from kvshare_connector.devtools.cpu_stack import hf_overrides_for
+    # The same engine settings, start-up lock and greedy sampling as the e2e driver.
+    from gpu_pd_e2e import generate_tokens, start_engine
 
     work, weights = Path(args.work), Path(args.weights)
     cell = CELLS[args.cell]
@@ -91,52 +88,14 @@ def engine_main(args: argparse.Namespace) -> None:
         "kv_role": "kv_producer" if args.role == "prefill" else "kv_consumer",
         "kv_connector_extra_config": extra,
     }
-    overrides = hf_overrides_for(weights / "config.json")
-    if overrides.get("global_head_dim") == config["head_dim"]:
-        overrides = {}
-    lock = open(args.lock, "w")  # noqa: SIM115 - one engine profiles GPU memory at a time
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    started = time.perf_counter()
-    llm = LLM(
-        model=str(weights),
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        gpu_memory_utilization=args.mem,
-        max_model_len=4096,
-        max_num_seqs=8,
-        seed=0,
-        hf_overrides=overrides,
-        kv_transfer_config=kv_config,
-        # Mixed head sizes make vLLM pick FA4 (CuTe DSL, not in this stack): use Triton.
-        attention_backend="TRITON_ATTN" if overrides else None,
+    # Random-init real weights from the safetensors (not dummy ones: their logits are flat).
+    llm, startup = start_engine(
+        weights, args, kv_config, load_format="auto", max_model_len=4096, jit_monitor=False
     )
-    fcntl.flock(lock, fcntl.LOCK_UN)
-    lock.close()
-    out: dict[str, Any] = {"startup_s": time.perf_counter() - started}
-    greedy = {"temperature": 0.0, "logprobs": 1, "detokenize": False, "ignore_eos": True}
+    out: dict[str, Any] = {"startup_s": startup}
 
     def run(batch: str, params: list[dict], max_tokens: int) -> dict[str, Any]:
-        sampling = [
-            SamplingParams(max_tokens=max_tokens, extra_args={"kv_transfer_params": p}, **greedy)
-            for p in params
-        ]
-        batch_prompts = [
-            TokensPrompt(prompt_token_ids=p) for p in prompts(batch, config["vocab_size"])
-        ]
-        t0 = time.perf_counter()
-        results = llm.generate(batch_prompts, sampling, use_tqdm=False)
-        return {
-            "seconds": time.perf_counter() - t0,
-            "tokens": [list(r.outputs[0].token_ids) for r in results],
-            "logprobs": [
-                [
-                    lp[t].logprob
-                    for lp, t in zip(r.outputs[0].logprobs, r.outputs[0].token_ids, strict=True)
-                ]
-                for r in results
-            ],
-            "kv_transfer_params": [r.kv_transfer_params for r in results],
-        }
+        return generate_tokens(llm, prompts(batch, config["vocab_size"]), params, max_tokens)
 
     if args.role == "prefill":
         for batch in BATCHES:

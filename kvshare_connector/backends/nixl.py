@@ -151,6 +151,8 @@ class NixlWorker(WorkerBackend):
             except Exception as exc:  # one request fails, never the engine
                 if not nothing_to_load:
                     failed[order.request_id] = f"{type(exc).__name__}: {exc}"
+        if orders and self.sink is not None:
+            self.sink.advance()  # claims under way now, not when the step ends
         return failed
 
     def hold(self, holds: Mapping[str, Hold]) -> None:

@@ -246,14 +246,18 @@ def run_demo(args: argparse.Namespace) -> int:
         f"kvshare demo: {args.model}, prefill {args.prefill_layout} -> decode "
         f"{args.decode_layout}, {args.tokens} tokens, NIXL/UCX over 127.0.0.1"
     )
-    prefill = spawn_prefill(
-        args.model,
-        args.prefill_layout,
-        args.tokens,
-        seed=1,
-        lease_s=args.lease_s,
-        packed_mib=args.packed_mib,
-    )
+
+    def prefill_process() -> PrefillProcess:
+        return spawn_prefill(
+            args.model,
+            args.prefill_layout,
+            args.tokens,
+            seed=1,
+            lease_s=args.lease_s,
+            packed_mib=args.packed_mib,
+        )
+
+    prefill = prefill_process()
     try:
         stack, topology = build(args.model, args.decode_layout, 64, 2048)
         sink = KVSink(
@@ -270,14 +274,7 @@ def run_demo(args: argparse.Namespace) -> int:
         prefill.stop()
 
     # Negative control: a second prefill; read its blocks in the wrong order.
-    control = spawn_prefill(
-        args.model,
-        args.prefill_layout,
-        args.tokens,
-        seed=1,
-        lease_s=args.lease_s,
-        packed_mib=args.packed_mib,
-    )
+    control = prefill_process()
     try:
         params = dict(control.ready["kv_transfer_params"])
         params["remote_block_ids"] = [list(reversed(ids)) for ids in params["remote_block_ids"]]

@@ -395,7 +395,7 @@ def kv_transfer_params(
     prompt_token_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """The ``kv_transfer_params`` prefill returns for decode (the one place they are built)."""
-    ids = list(prompt_token_ids) if prompt_token_ids is not None else None
+    prompt = list(prompt_token_ids) if prompt_token_ids is not None else None
     return msgspec.to_builtins(
         RemotePrefillParams(
             do_remote_prefill=True,
@@ -407,8 +407,8 @@ def kv_transfer_params(
             remote_port=remote_port,
             tp_size=tp_size,
             remote_num_tokens=remote_num_tokens,
-            remote_prompt_tokens=len(ids) if ids is not None else None,
-            remote_prompt_digest=prompt_digest(ids) if ids is not None else None,
+            remote_prompt_tokens=len(prompt) if prompt is not None else None,
+            remote_prompt_digest=prompt_digest(prompt) if prompt is not None else None,
         )
     )
 

@@ -26,10 +26,12 @@ from kvshare_connector.layout.topology import KVTopology
 from kvshare_connector.transfer import protocol
 from kvshare_connector.transfer.alignment import align_block_ids
 from kvshare_connector.transfer.nixl import NixlTransport, TransportError
-from kvshare_connector.transfer.packing import Copy, Packer
+from kvshare_connector.transfer.packing import Packer
 from kvshare_connector.transfer.side_channel import SideChannelError, ask, warn_if_no_secret
 
 logger = get_logger(__name__)
+
+SPIN_S = 0.002  # how long a poll watches READs it just posted (see ``KVSink.poll``)
 
 
 class HandshakeError(RuntimeError):
@@ -83,7 +85,6 @@ class _Read:
     packed_ref: protocol.PackedRef | None = None  # where prefill packed it, if it did
     slot: int | None = None  # our staging slot, while a packed read uses it
     plan: PackedRead | None = None  # packed: what to READ and then copy out of the slot
-    copy: Copy | None = None  # packed: the scatter, once started
 
 
 class KVSink:
@@ -118,6 +119,8 @@ class KVSink:
         self._handshakes: dict[tuple[str, int], Future[protocol.HandshakeReply]] = {}
         self._peers: dict[tuple[str, int], Peer] = {}
         self._reads: dict[str, _Read] = {}
+        self._done: set[str] = set()  # finished since the last poll
+        self._failed: dict[str, str] = {}
         self.records: list[TransferRecord] = []
 
     # -- handshakes --------------------------------------------------------------------
@@ -279,23 +282,40 @@ class KVSink:
     def in_flight(self) -> set[str]:
         return set(self._reads)
 
-    def poll(self) -> tuple[set[str], dict[str, str]]:
-        """Advance every read: ``(done, {failed request id: reason})``."""
-        done: set[str] = set()
-        failed: dict[str, str] = {}
+    def poll(self, spin_s: float = SPIN_S) -> tuple[set[str], dict[str, str]]:
+        """Advance every read: ``(done, {failed request id: reason})``, including what an
+        ``advance`` since the last poll finished.
+
+        The engine calls this once per step, so a READ that needs one more look to be seen
+        done costs a whole step: a READ posted here is watched for up to ``spin_s``.
+        """
+        self.advance(spin_s)
+        done, failed = self._done, self._failed
+        self._done, self._failed = set(), {}
+        self._retry_stuck()
+        return done, failed
+
+    def advance(self, spin_s: float = 0.0) -> None:
+        """Move every read as far as it goes now (handshake, claim, READ, scatter); called
+        when requests arrive too, so their claims are under way before the step ends."""
         now = time.monotonic()
+        deadline = now + spin_s
         for read in list(self._reads.values()):
             try:
                 if read.handle is None:
                     if now - read.created > self.handshake_timeout_s + self.transfer_timeout_s:
                         raise HandshakeError("timed out waiting for the prefill handshake")
                     if self._start(read):
-                        done.add(read.request_id)
-                    continue
-                state = "DONE" if read.copy is not None else self.transport.state(read.handle)
+                        self._done.add(read.request_id)
+                        continue
+                    if read.handle is None:
+                        continue
+                state = self.transport.state(read.handle)
+                while state == "PROC" and time.monotonic() < deadline:
+                    state = self.transport.state(read.handle)
                 if state == "DONE" and self._landed(read):
                     self._finish(read)
-                    done.add(read.request_id)
+                    self._done.add(read.request_id)
                 elif state == "ERR":
                     raise TransportError(f"NIXL READ from {read.params.remote_engine_id} failed")
                 elif now - read.started > self.transfer_timeout_s:
@@ -304,12 +324,10 @@ class KVSink:
                         f"{self.transfer_timeout_s:g} s"
                     )
             except Exception as exc:  # every failure ends this request only
-                failed[read.request_id] = f"{type(exc).__name__}: {exc}"
+                self._failed[read.request_id] = f"{type(exc).__name__}: {exc}"
                 self._abandon(read, exc)
-        for request_id in done | set(failed):
+        for request_id in self._done | set(self._failed):
             self._reads.pop(request_id, None)
-        self._retry_stuck()
-        return done, failed
 
     def _start(self, read: _Read) -> bool:
         """Start the READ once the peer is known; True if nothing had to move."""
@@ -388,18 +406,15 @@ class KVSink:
         return local, plan.rows(plan.read_remote, ref.addr, ref.device_id)
 
     def _landed(self, read: _Read) -> bool:
-        """After the READ: a packed request is in place once its scatter has run."""
-        if read.plan is None or self.packer is None:
-            return True
-        if read.copy is None:
+        """After the READ: a packed request is scattered into its blocks (a few copy
+        kernels, waited for here: reporting it one step later would cost a whole step)."""
+        if read.plan is not None and self.packer is not None and read.slot is not None:
             self.transport.release(read.handle)
             read.handle = None
             s = read.plan.scatter
-            read.copy = self.packer.scatter(s[:, 0], s[:, 2], read.slot + s[:, 1])
-        if not read.copy.done():
-            return False
-        self.packer.staging.release(read.slot)
-        read.slot = None
+            self.packer.scatter(s[:, 0], s[:, 2], read.slot + s[:, 1]).wait()
+            self.packer.staging.release(read.slot)
+            read.slot = None
         return True
 
     def _finish(self, read: _Read) -> None:
@@ -430,13 +445,7 @@ class KVSink:
     def _abandon(self, read: _Read, error: Exception) -> None:
         """Release what we hold and tell prefill (if reachable) to free its blocks."""
         if read.slot is not None and self.packer is not None:
-            if read.copy is not None:
-                read.copy.wait()
-                self.packer.staging.release(read.slot)
-            elif read.handle is not None and self.transport.state(read.handle) not in (
-                "DONE",
-                "ERR",
-            ):
+            if read.handle is not None and self.transport.state(read.handle) == "PROC":
                 self._stuck.append((read.handle, read.slot))  # NIXL may still write into it
                 read.handle = None
             else:
