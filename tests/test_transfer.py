@@ -53,6 +53,7 @@ PEER_SOURCES = [
     # Packs each held request into a staging area: read as a few large runs.
     {"name": "e2b_packed", "model": E2B, "layout": "kvcached_contiguous", "requests": 4,
      "seed": 800, "packed_mib": 16},
+    {"name": "drain", "model": "g4tiny", "layout": "per_layer", "requests": 1, "seed": 900},
     {"name": "lease", "model": "g4tiny", "layout": "per_layer", "requests": 1, "lease_s": 1.5,
      "kv_mib": 8, "seed": 600},
     # Says which model it runs: decode compares the identity with its own.
@@ -825,6 +826,40 @@ def test_lease_expires_when_decode_never_reads(peers, decoders):
     assert not result.done
     assert "no longer holds" in result.failure and request_id in result.failure
     assert result.bytes == 0 and decoder.untouched()
+
+
+def test_timed_out_read_keeps_its_blocks_until_nixl_lets_go(peers, decoders, monkeypatch):
+    """A READ that outlives transfer_timeout_s and that NIXL will not release may still
+    write into decode's blocks: the request is failed only once NIXL has let go, so vLLM
+    cannot hand its blocks to another request while bytes may land in them. (NIXL cannot
+    be made to hang on this machine: its state and release answers are what is faked.)"""
+    decoder = decoders("g4tiny", "per_layer", packed_mib=0)
+    sink, transport = decoder.sink, decoder.transport
+    request = peers.main.request("drain", 0)
+    local_ids = request_block_ids(decoder.topology, TOKENS, seed=41)
+    rid = new_id("drain")
+    monkeypatch.setattr(sink, "transfer_timeout_s", 0.2)
+    monkeypatch.setattr(transport, "state", lambda handle: "PROC")  # never finishes
+    real_release = type(transport).release
+    monkeypatch.setattr(transport, "release", lambda handle: False)  # NIXL refuses
+    sink.request(rid, protocol.remote_prefill_params(request["kv_transfer_params"]), local_ids)
+    deadline = time.monotonic() + HANDSHAKE_S + 5
+    failed: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        _, failed = sink.poll(spin_s=0.0)
+        if rid in failed or (rid not in sink._reads and rid in sink.in_flight):
+            break
+        time.sleep(0.01)
+    assert rid not in failed  # timed out, but not handed back
+    assert rid in sink.in_flight  # vLLM keeps waiting for it: its blocks stay allocated
+    for _ in range(3):
+        assert rid not in sink.poll(spin_s=0.0)[1]
+
+    monkeypatch.setattr(transport, "state", lambda handle: "DONE")  # NIXL is done with it
+    monkeypatch.setattr(transport, "release", lambda handle: real_release(transport, handle))
+    _, failed = sink.poll(spin_s=0.0)
+    assert "did not finish" in failed[rid]
+    assert rid not in sink.in_flight
 
 
 # ---- kv_transfer_params ---------------------------------------------------------------

@@ -17,9 +17,13 @@ the tail): each of its remote runs is located in the packed order by address.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from kvshare_connector.layout.descriptors import request_descriptors
+from kvshare_connector.layout.topology import KVTopology
 
 
 class StagingError(ValueError):
@@ -156,3 +160,23 @@ def word_indices(starts: np.ndarray, lengths: np.ndarray, word: int) -> np.ndarr
     run_starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     ramp = np.arange(total, dtype=np.int64) - np.repeat(run_starts, counts)
     return np.repeat(first, counts) + ramp
+
+
+def packed_read_of(
+    prefill: KVTopology,
+    held_block_ids: Sequence[Sequence[int]],
+    packed_nbytes: int,
+    local_rows: np.ndarray,
+    remote_rows: np.ndarray,
+) -> PackedRead:
+    """Decode's plan for a request prefill packed: the packed order from prefill's topology
+    and held blocks (null blocks never travel), checked against the size prefill reports
+    (another size means the two sides disagree on the request)."""
+    held = [[b for b in ids if b] for ids in held_block_ids]
+    layout = PackedLayout.of(request_descriptors(prefill, held))
+    if layout.nbytes != packed_nbytes:
+        raise StagingError(
+            f"prefill packed {packed_nbytes} bytes, its layout and held block ids give "
+            f"{layout.nbytes}"
+        )
+    return packed_read(layout, local_rows, remote_rows)

@@ -121,11 +121,14 @@ class NixlTransport:
             logger.warning("NIXL: transfer state unavailable: %s", exc)
             return "ERR"
 
-    def release(self, handle: Any) -> None:
+    def release(self, handle: Any) -> bool:
+        """Release a transfer; False if NIXL refused (it may still be moving bytes)."""
         try:
             self.agent.release_xfer_handle(handle)
         except Exception as exc:  # a handle of a dead peer may refuse release
             logger.warning("NIXL: releasing a transfer failed: %s", exc)
+            return False
+        return True
 
     def notify(self, peer: str, message: bytes) -> None:
         try:

@@ -17,11 +17,10 @@ from kvshare_connector.layout.descriptors import (
     BlockIds,
     PairedOwner,
     TransferPlan,
-    request_descriptors,
     transfer_descriptors,
 )
 from kvshare_connector.layout.matching import EngineIdentity, LayoutMismatch, pair_owners
-from kvshare_connector.layout.staging import PackedLayout, PackedRead, packed_read
+from kvshare_connector.layout.staging import PackedRead, packed_read_of
 from kvshare_connector.layout.topology import KVTopology
 from kvshare_connector.transfer import protocol
 from kvshare_connector.transfer.alignment import align_block_ids
@@ -121,6 +120,7 @@ class KVSink:
         self._reads: dict[str, _Read] = {}
         self._done: set[str] = set()  # finished since the last poll
         self._failed: dict[str, str] = {}
+        self._draining: dict[str, tuple[object, str]] = {}  # failed, NIXL not yet let go
         self.records: list[TransferRecord] = []
 
     # -- handshakes --------------------------------------------------------------------
@@ -280,7 +280,7 @@ class KVSink:
 
     @property
     def in_flight(self) -> set[str]:
-        return set(self._reads)
+        return set(self._reads) | set(self._draining)
 
     def poll(self, spin_s: float = SPIN_S) -> tuple[set[str], dict[str, str]]:
         """Advance every read: ``(done, {failed request id: reason})``, including what an
@@ -290,9 +290,9 @@ class KVSink:
         done costs a whole step: a READ posted here is watched for up to ``spin_s``.
         """
         self.advance(spin_s)
+        self._retry_stuck()
         done, failed = self._done, self._failed
         self._done, self._failed = set(), {}
-        self._retry_stuck()
         return done, failed
 
     def advance(self, spin_s: float = 0.0) -> None:
@@ -324,8 +324,12 @@ class KVSink:
                         f"{self.transfer_timeout_s:g} s"
                     )
             except Exception as exc:  # every failure ends this request only
-                self._failed[read.request_id] = f"{type(exc).__name__}: {exc}"
-                self._abandon(read, exc)
+                reason = f"{type(exc).__name__}: {exc}"
+                if self._abandon(read, exc):
+                    self._failed[read.request_id] = reason
+                else:  # NIXL may still write into the request's blocks: not vLLM's yet
+                    self._draining[read.request_id] = (read.handle, reason)
+                    self._reads.pop(read.request_id, None)
         for request_id in self._done | set(self._failed):
             self._reads.pop(request_id, None)
 
@@ -380,26 +384,16 @@ class KVSink:
     def _packed_rows(
         self, read: _Read, peer: Peer, local_rows: np.ndarray, remote_rows: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray] | None:
-        """READ rows between the two staging slots (None: no room here, read directly).
-
-        The packed order is computed here from prefill's topology and held block ids, as
-        prefill computed it; a size that differs from prefill's means the sides disagree
-        on the request, which fails it.
-        """
+        """READ rows between the two staging slots (None: no room here, read directly)."""
         assert self.packer is not None and read.packed_ref is not None
-        held = [[b for b in ids if b] for ids in read.params.remote_block_ids]
-        layout = PackedLayout.of(request_descriptors(peer.topology, held))
-        if layout.nbytes != read.packed_ref.nbytes:
-            raise TransportError(
-                f"prefill packed {read.packed_ref.nbytes} bytes for request "
-                f"{read.params.remote_request_id}, its layout and block ids give {layout.nbytes}"
-            )
-        plan = packed_read(layout, local_rows, remote_rows)
+        ref = read.packed_ref
+        plan = packed_read_of(
+            peer.topology, read.params.remote_block_ids, ref.nbytes, local_rows, remote_rows
+        )
         slot = self.packer.staging.allocate(plan.nbytes)
         if slot is None:
             return None
         read.slot, read.plan = slot, plan
-        ref = read.packed_ref
         local = plan.rows(
             plan.read_local, self.packer.staging.addr + slot, self.packer.staging.region.device_id
         )
@@ -432,18 +426,23 @@ class KVSink:
         )
 
     def _retry_stuck(self) -> None:
-        """Staging slots of READs we gave up on return only once NIXL says they ended."""
-        still = []
-        for handle, slot in self._stuck:
-            if self.transport.state(handle) in ("DONE", "ERR"):
-                self.transport.release(handle)
+        """Staging slots, and requests whose READ into their blocks we gave up on, return
+        only once NIXL lets go of the transfer."""
+        for request_id, (handle, reason) in list(self._draining.items()):
+            if self.transport.state(handle) != "PROC" and self.transport.release(handle):
+                del self._draining[request_id]
+                self._failed[request_id] = reason
+                logger.warning("request %s: the abandoned READ has ended: blocks freed", request_id)
+        for handle, slot in list(self._stuck):
+            if self.transport.state(handle) != "PROC" and self.transport.release(handle):
+                self._stuck.remove((handle, slot))
                 self.packer.staging.release(slot)
-            else:
-                still.append((handle, slot))
-        self._stuck = still
 
-    def _abandon(self, read: _Read, error: Exception) -> None:
-        """Release what we hold and tell prefill (if reachable) to free its blocks."""
+    def _abandon(self, read: _Read, error: Exception) -> bool:
+        """Release what we hold and tell prefill (if reachable) to free its blocks. False: a
+        READ into the request's own blocks could not be released (NIXL may still be writing
+        them), so they must not go back to vLLM yet."""
+        released = True
         if read.slot is not None and self.packer is not None:
             if read.handle is not None and self.transport.state(read.handle) == "PROC":
                 self._stuck.append((read.handle, read.slot))  # NIXL may still write into it
@@ -451,11 +450,11 @@ class KVSink:
             else:
                 self.packer.staging.release(read.slot)
         if read.handle is not None:
-            self.transport.release(read.handle)
+            released = self.transport.release(read.handle)
         p = read.params
         peer = self._peers.get((p.remote_host, p.remote_port))
         if isinstance(error, ClaimRefused):
-            return  # prefill decided: the blocks are another reader's (or not ours)
+            return released  # prefill decided: the blocks are another reader's (or not ours)
         if peer is not None and peer.engine_id == p.remote_engine_id:
             token = read.token if read.rows is not None else ""
             note = protocol.notification(protocol.NOTIF_ABORT, p.remote_request_id, token)
@@ -463,6 +462,7 @@ class KVSink:
         elif isinstance(error, LayoutMismatch):  # prefill answers, but is no NIXL peer
             reason = "KV layouts do not match: " + "; ".join(error.differences[:3])
             self._executor.submit(self._ask_release, p, reason)
+        return released
 
     def _ask_release(self, p: protocol.RemotePrefillParams, reason: str) -> None:
         """Best effort: prefill's lease frees the blocks anyway if this does not arrive."""
