@@ -24,7 +24,7 @@ import pytest
 import zmq
 
 from kvshare_connector.devtools import kvcheck
-from kvshare_connector.devtools.demo import build, read_and_check, request_block_ids
+from kvshare_connector.devtools.demo import build, cpu_packer, read_and_check, request_block_ids
 from kvshare_connector.layout.descriptors import request_descriptors, transfer_descriptors
 from kvshare_connector.layout.matching import EngineIdentity, pair_owners
 from kvshare_connector.transfer import protocol
@@ -115,15 +115,10 @@ class Decoder:
         packed_mib: int = 0,
     ):
         from kvshare_connector.transfer.nixl import NixlTransport
-        from kvshare_connector.transfer.packing import MemoryMap, Packer, StagingArea
         from kvshare_connector.transfer.sink import KVSink
 
         self.stack, self.topology = build(model, layout, kv_mib, 2048)
         self.transport = NixlTransport(f"decode-{name}-{os.getpid()}")
-        packer = None
-        if packed_mib:
-            staging = StagingArea(packed_mib << 20, "cpu")
-            packer = Packer(MemoryMap(self.stack.kv_caches.values()), staging)
         self.sink = KVSink(
             f"decode-{name}",
             self.topology,
@@ -131,7 +126,7 @@ class Decoder:
             handshake_s,
             TRANSFER_S,
             identity,
-            packer=packer,
+            packer=cpu_packer(self.stack, packed_mib),
         )
 
     def zero(self) -> None:

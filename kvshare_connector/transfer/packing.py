@@ -181,7 +181,7 @@ class Packer:
             stream.wait_stream(torch.cuda.current_stream(device))
         context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with context:
-            for span, rows in self._by_span(addr, length):
+            for span, rows in self.memory.split(addr, length):
                 offsets = addr[rows] - span.start
                 word = word_size(np.concatenate([offsets, staged[rows]]), length[rows])
                 kv_idx = word_indices(offsets, length[rows], word)
@@ -199,6 +199,3 @@ class Packer:
         event = torch.cuda.Event()
         event.record(stream)
         return Copy(event)
-
-    def _by_span(self, addr: np.ndarray, length: np.ndarray) -> list[tuple[_Span, np.ndarray]]:
-        return self.memory.split(addr, length)

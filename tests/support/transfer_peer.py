@@ -54,7 +54,7 @@ class Served:
 
     def __init__(self, spec: dict[str, Any]):
         from kvshare_connector.devtools import kvcheck
-        from kvshare_connector.devtools.demo import build
+        from kvshare_connector.devtools.demo import build, cpu_packer
         from kvshare_connector.layout.matching import EngineIdentity
         from kvshare_connector.transfer.nixl import NixlTransport
         from kvshare_connector.transfer.protocol import kv_transfer_params
@@ -78,12 +78,8 @@ class Served:
                 ctypes.memset(region.addr, 0x5A, region.nbytes)
         engine_id = f"{self.name}-{uuid.uuid4().hex[:8]}"
         identity = EngineIdentity(**spec["identity"]) if spec.get("identity") else None
-        packer = None
-        if spec.get("packed_mib"):  # packed transfer: a host staging area over the KV
-            from kvshare_connector.transfer.packing import MemoryMap, Packer, StagingArea
-
-            staging = StagingArea(spec["packed_mib"] << 20, "cpu")
-            packer = Packer(MemoryMap(self.stack.kv_caches.values()), staging)
+        # Packed transfer: a host staging area over the KV (0: block by block).
+        packer = cpu_packer(self.stack, spec.get("packed_mib", 0))
         self.source = KVSource(
             engine_id,
             topology,
