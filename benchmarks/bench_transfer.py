@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from kvshare_connector.devtools.demo import blocks_per_group, requests_block_ids
+from kvshare_connector.devtools.demo import blocks_per_group, cpu_packer, requests_block_ids
 
 MODEL = "gemma4_e2b_shape"
 LAYOUT = "per_layer"
@@ -102,18 +102,25 @@ def run_prefill(args: argparse.Namespace) -> int:
     from kvshare_connector.transfer.protocol import kv_transfer_params
     from kvshare_connector.transfer.source import KVSource
 
-    _stack, topology = build(args.kv_mib)  # _stack keeps the KV memory alive
+    stack, topology = build(args.kv_mib)  # stack keeps the KV memory alive
     batch = disjoint_requests(topology, args.tokens, args.batch, seed=1)
     for member, ids in enumerate(batch):
         fill(topology, ids, salt=member)
     engine_id = f"bench-prefill-{uuid.uuid4().hex[:8]}"
-    source = KVSource(engine_id, topology, NixlTransport(engine_id), "127.0.0.1", 0, lease_s=3600)
+    source = KVSource(
+        engine_id,
+        topology,
+        NixlTransport(engine_id),
+        "127.0.0.1",
+        0,
+        lease_s=3600,
+        packer=cpu_packer(stack, args.packed_mib),
+    )
     rounds = []
     for round_index in range(args.rounds):
         members = []
         for member, ids in enumerate(batch):  # every round reads the same blocks again
             request_id = f"round{round_index}-member{member}"
-            source.hold(request_id, block_ids=ids)
             members.append(
                 kv_transfer_params(
                     remote_block_ids=ids,
@@ -125,15 +132,26 @@ def run_prefill(args: argparse.Namespace) -> int:
                 )
             )
         rounds.append(members)
-    print(READY + json.dumps({"rounds": rounds, "num_blocks": topology.num_blocks}), flush=True)
+    regions = [(r.addr, r.nbytes) for r in topology.regions]
+    ready = {"rounds": rounds, "num_blocks": topology.num_blocks, "pid": os.getpid()}
+    print(READY + json.dumps({**ready, "regions": regions}), flush=True)
 
+    # A round is held once the one before it was read: a packed request takes a staging
+    # slot from its hold until it is read (decode retries its claim meanwhile).
+    def hold(round_index: int) -> None:
+        for member, ids in enumerate(batch):
+            source.hold(f"round{round_index}-member{member}", block_ids=ids)
+
+    hold(0)
     closed = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), closed.set()), daemon=True).start()
     released = 0
     while not closed.is_set():
         read, expired = source.poll()
         released += len(read) + len(expired)
-        time.sleep(0.005)
+        if read and released % len(batch) == 0 and released // len(batch) < args.rounds:
+            hold(released // len(batch))
+        time.sleep(0.001)
     print(f"prefill: {released} request(s) released, {len(source.held)} held", file=sys.stderr)
     source.close()
     sys.stdout.flush()
@@ -158,6 +176,8 @@ def spawn_prefill(args: argparse.Namespace, kv_mib: int, batch: int) -> subproce
         str(args.warmup + args.repeat),
         "--kv-mib",
         str(kv_mib),
+        "--packed-mib",
+        str(args.packed_mib),
     ]
     return subprocess.Popen(
         cmd,
@@ -234,6 +254,39 @@ def time_memcpy(nbytes: int, warmup: int, repeat: int) -> list[float]:
     return timed(lambda: np.copyto(dst, src), warmup, repeat)
 
 
+def time_cma(pid: int, regions: list[list[int]], nbytes: int, warmup: int, repeat: int):
+    """``process_vm_readv`` of ``nbytes`` of the prefill's KV memory, 64 MiB per call: the
+    kernel copy UCX's CMA transport makes for a READ between two processes of one host, with
+    no UCX around it (None where the kernel refuses it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    class Iovec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    dst = np.empty(nbytes, dtype=np.uint8)
+    chunk = 64 << 20
+    calls, done = [], 0
+    for addr, size in regions:
+        offset = 0
+        while offset < size and done < nbytes:
+            n = min(chunk, size - offset, nbytes - done)
+            calls.append((addr + offset, done, n))
+            offset, done = offset + n, done + n
+
+    def copy() -> None:
+        for remote, local, n in calls:
+            liov = Iovec(dst.ctypes.data + local, n)
+            riov = Iovec(remote, n)
+            if libc.process_vm_readv(pid, ctypes.byref(liov), 1, ctypes.byref(riov), 1, 0) != n:
+                raise OSError(ctypes.get_errno(), "process_vm_readv")
+
+    try:
+        return timed(copy, warmup, repeat)
+    except OSError as exc:
+        print(f"process_vm_readv refused: {exc}", file=sys.stderr)
+        return None
+
+
 def time_memmove(rows: list[np.ndarray], warmup: int, repeat: int) -> list[float]:
     """Copy a contiguous buffer into the same local rows the READ filled, row by row."""
     nbytes = sum(int(r[:, 1].sum()) for r in rows)
@@ -267,7 +320,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     try:
         _stack, topology = build(kv_mib)  # while the prefill builds its own
         transport = NixlTransport(f"bench-decode-{os.getpid()}")
-        sink = KVSink("bench-decode", topology, transport, 60.0, 120.0)
+        packer = cpu_packer(_stack, args.packed_mib)
+        sink = KVSink("bench-decode", topology, transport, 60.0, 120.0, packer=packer)
         local = disjoint_requests(topology, args.tokens, batch, seed=2)
         ready = wait_ready(prefill, 300)
         rounds = ready["rounds"]
@@ -284,6 +338,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 bad_segments += sum(verify(topology, ids, salt=m) for m, ids in enumerate(local))
             if index >= args.warmup:
                 read_times.append(seconds)
+        cma_times = time_cma(
+            ready["pid"],
+            ready["regions"],
+            sum(r.bytes for r in sink.records[:batch]),
+            args.warmup,
+            args.repeat,
+        )
         measured = sink.records[batch * args.warmup :]
         per_round = sum(r.bytes for r in measured[:batch])
         descriptors = sorted({r.descriptors for r in sink.records})
@@ -306,6 +367,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     read = summary(read_times, per_round)
     memcpy = summary(memcpy_times, per_round)
     memmove = summary(memmove_times, per_round)
+    cma = summary(cma_times, per_round) if cma_times else None
     counts = blocks_per_group(topology, args.tokens)
     results = {
         "model": MODEL,
@@ -326,12 +388,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "verified": bad_segments == 0,
         "bad_segments": bad_segments,
         "ucx_tls": os.environ.get("UCX_TLS", "default"),
+        "packed_mib": args.packed_mib,
+        "packed_reads": sum(r.packed for r in measured),
         "nixl_read": read,
         # Per request, posted -> DONE. A round posts its requests one after the other and
         # most of a READ runs inside NIXL's transfer() call (UCX's CMA copies there), so
         # the first request of a round also counts the posting of the others.
         "nixl_read_post_to_done_s": post_to_done,
         "memcpy": memcpy,
+        "process_vm_readv": cma,
         "memmove_per_descriptor": memmove,
         "read_vs_memcpy": read["gb_per_s"] / memcpy["gb_per_s"],
         "read_vs_memmove_per_descriptor": read["gb_per_s"] / memmove["gb_per_s"],
@@ -360,11 +425,17 @@ def report(results: dict[str, Any]) -> str:
     lines.append("")
     lines.append("| copy of the same bytes | median | min - max | stdev | GB/s | vs memcpy |")
     lines.append("|---|---|---|---|---|---|")
-    for label, s in (
-        ("NIXL READ, 2 processes, UCX on 127.0.0.1", read),
+    how = "packed: READ + scatter" if results.get("packed_reads") else "block by block"
+    rows = [
+        (f"NIXL READ, 2 processes, UCX on 127.0.0.1, {how}", read),
+        (
+            "process_vm_readv (the kernel copy of UCX's CMA), 2 processes",
+            results["process_vm_readv"],
+        ),
         ("memmove per descriptor, 1 process", memmove),
         ("memcpy (numpy, contiguous), 1 process", memcpy),
-    ):
+    ]
+    for label, s in (row for row in rows if row[1]):
         lines.append(
             f"| {label} | {s['median_s'] * 1e3:.0f} ms | {s['min_s'] * 1e3:.0f} - "
             f"{s['max_s'] * 1e3:.0f} ms | {s['stdev_s'] * 1e3:.1f} ms | {s['gb_per_s']:.2f} | "
@@ -402,6 +473,12 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--kv-mib", type=int, default=0, help="KV cache per side (0: just enough)")
+    parser.add_argument(
+        "--packed-mib",
+        type=int,
+        default=0,
+        help="staging area per side: each request is gathered, READ as a few runs, scattered",
+    )
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--verbose", action="store_true", help="show the prefill's stderr")
     args = parser.parse_args()

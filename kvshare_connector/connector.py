@@ -1,4 +1,7 @@
-"""``KVShareConnector``: the vLLM 0.26 KV connector, role dispatch only.
+"""``KVShareConnector``: the KV connector for vLLM 0.26.0 .. 0.33.0, role dispatch only.
+
+What differs between those releases is answered in ``kvshare_connector.vllm.compat``; each
+hook here exists for the releases that call it and is inert on the others.
 
 Enable with ``--kv-transfer-config '{"kv_connector":"KVShareConnector","kv_role":...}'``.
 Options in ``kv_connector_extra_config``:
@@ -7,8 +10,10 @@ Options in ``kv_connector_extra_config``:
   blocks for decode to read (vLLM NixlConnector's name).
 * ``handshake_timeout_s`` (default 10) and ``transfer_timeout_s`` (default 60): bounded
   waits on decode before a request is computed locally instead.
-* ``cross_layer_blocks`` (default true, false when kvcached is enabled): ask vLLM for the
-  cross-layer blocks layout where it can (single KV cache group).
+* ``cross_layer_blocks``: vLLM 0.26: ask for the cross-layer blocks tensor where vLLM can
+  use it (one KV cache group; default true, false when kvcached is enabled). vLLM 0.33: ask
+  for the block-major ``BLNHC`` layout (default false: 0.33 cannot start Gemma-4 models
+  with mixed KV shapes in a block-major layout).
 * ``read_log`` (a path, default none): decode appends one JSON line per finished read
   (request, bytes, blocks, descriptors, seconds), to set READ time against request latency.
 * ``staging_mib`` (default 512): staging area per engine for packed transfer (a request
@@ -34,12 +39,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvshare_connector.backends import create_backend
-from kvshare_connector.backends.base import WorkerContext
+from kvshare_connector.backends.base import WorkerContext, flag_option
 from kvshare_connector.common.log import get_logger
 from kvshare_connector.layout import kvcached
 from kvshare_connector.transfer.side_channel import resolve_secret
+from kvshare_connector.vllm import compat
 from kvshare_connector.vllm.adapter import engine_identity
 from kvshare_connector.vllm.metadata import KVShareMetadata, KVShareWorkerMeta
+from kvshare_connector.vllm.parallel import model_kv_heads, tensor_parallel
 from kvshare_connector.vllm.prometheus import KVSharePromMetrics
 from kvshare_connector.vllm.scheduler import KVShareScheduler
 from kvshare_connector.vllm.stats import KVShareStats
@@ -62,6 +69,10 @@ DEFAULT_STAGING_MIB = 512
 
 
 class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
+    # vLLM >= 0.32 labels external cache hits by tier: ours come from a peer engine
+    # (None on releases that do not label them).
+    _cache_hit_source = compat.p2p_cache_hit_source()
+
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -72,17 +83,23 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         config = self._kv_transfer_config
         if config.kv_role not in ROLES:
             raise ValueError(f"KVShareConnector: kv_role {config.kv_role!r} not in {ROLES}")
-        if vllm_config.parallel_config.tensor_parallel_size != 1:
-            raise NotImplementedError(
-                "KVShareConnector supports tensor_parallel_size=1 on both sides for now"
-            )
+        # TP (issue 16): one worker per rank; rank r serves on port + r, the base port goes
+        # into kv_transfer_params with tp_size (kvshare_connector.transfer.shards).
+        tp_size, tp_rank = tensor_parallel(vllm_config, role != KVConnectorRole.SCHEDULER)
         extra = config.kv_connector_extra_config or {}
         self.engine_id = config.engine_id or "kvshare"
         host = envs.VLLM_NIXL_SIDE_CHANNEL_HOST
-        port = envs.VLLM_NIXL_SIDE_CHANNEL_PORT + vllm_config.parallel_config.data_parallel_index
+        port = (
+            envs.VLLM_NIXL_SIDE_CHANNEL_PORT
+            + vllm_config.parallel_config.data_parallel_index * tp_size
+        )
         lease_s = float(extra.get("kv_lease_duration", 30))
         backend = create_backend(extra)  # in both roles: bad options fail at start-up
-        self._cross_layer = bool(extra.get("cross_layer_blocks", not kvcached.kvcached_enabled()))
+        self._cross_layer = flag_option(
+            extra,
+            "cross_layer_blocks",
+            compat.cross_layer_blocks_default(kvcached.kvcached_enabled()),
+        )
         self.scheduler: KVShareScheduler | None = None
         self.worker: KVShareWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -95,7 +112,7 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
                 engine_id=self.engine_id,
                 role=config.kv_role,
                 host=host,
-                port=port,
+                port=port + tp_rank,  # TP: this rank's own side channel
                 lease_s=lease_s,
                 handshake_timeout_s=float(extra.get("handshake_timeout_s", 10)),
                 transfer_timeout_s=float(extra.get("transfer_timeout_s", 60)),
@@ -103,6 +120,10 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
                 side_channel_secret=resolve_secret(extra),
                 engine_identity=engine_identity(vllm_config),
                 staging_bytes=int(float(extra.get("staging_mib", DEFAULT_STAGING_MIB)) * 2**20),
+                verify_kv=flag_option(extra, "verify_kv"),
+                tp_size=tp_size,
+                tp_rank=tp_rank,
+                model_kv_heads=model_kv_heads(vllm_config),
             )
             self.worker = KVShareWorker(
                 vllm_config, kv_cache_config, backend, context, extra.get("read_log")
@@ -123,6 +144,16 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         assert self.worker is not None
         self.worker.register_cross_layers_kv_cache(kv_cache, attn_backend)
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM >= 0.33 sleep mode: the KV memory is about to be released."""
+        if self.worker is not None:
+            self.worker.unregister()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM >= 0.33 wake-up: the KV memory is back at the same addresses."""
+        if self.worker is not None:
+            self.worker.restore()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.worker is not None
@@ -148,6 +179,11 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
         return self.worker.get_finished()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM >= 0.30: completions, with failed loads named in ``failed_recving``."""
+        assert self.worker is not None
+        return self.worker.transfer_results()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self.worker is not None
@@ -188,6 +224,11 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """vLLM >= 0.32: a load brings the request's own blocks of every transferred group
+        (sliding-window ones too), so vLLM must not zero any of them."""
+        return compat.transfer_group_ids(self._kv_cache_config)
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
@@ -219,4 +260,8 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return None  # any layout: geometry is read off the tensors' strides
+        """Any layout works (geometry is read off the strides); vLLM 0.33 is asked for the
+        block-major one only when ``cross_layer_blocks`` is set."""
+        config = vllm_config.kv_transfer_config
+        extra = (config.kv_connector_extra_config if config is not None else None) or {}
+        return compat.required_kv_cache_layout(flag_option(extra, "cross_layer_blocks", False))

@@ -20,5 +20,8 @@ LMCACHE="lmcache==0.5.6 aiofile==3.12.3 caio==0.12.10 awscrt==0.38.1 cufile-pyth
   google-cloud-core==2.8.0 google-cloud-monitoring==2.32.0 google-crc32c==1.9.0
   grpc-google-iam-v1==0.14.6 proto-plus==1.29.0 pyasn1==0.6.5 pyasn1-modules==0.4.2
   redis==8.1.0 sortedcontainers==2.4.0"
-PYTHON="$PWD/.venv/bin/python" GPU_STAGE_DIR="$WORK" EXTRA="$(echo $EVAL $LMCACHE)" \
+# vllm-router (PD router for `--router vllm-router`: a Rust extension, abi3 wheel, ~24 MB) and
+# the one import of its Python launcher the GPU host lacks (the rest come with vLLM).
+ROUTER="vllm-router==0.1.17 orjson==3.13.0"
+PYTHON="$PWD/.venv/bin/python" GPU_STAGE_DIR="$WORK" EXTRA="$(echo $EVAL $LMCACHE $ROUTER)" \
   bash ../shared/gpu/stage.sh

@@ -51,6 +51,7 @@ def _plan(tmp_path: Path, model_dir: Path, *extra: str) -> tuple[Any, list[bs.Pl
         ["--out", str(tmp_path / "out"), "--model-dir", str(model_dir), "--tokenizer", str(tok),
          *extra]
     )  # fmt: skip
+    bs.apply_mode_defaults(args)
     return args, bs.plan(args, model_dir, tok, tmp_path / "raw")
 
 
@@ -71,18 +72,18 @@ def test_commands_of_each_deployment(tmp_path: Path, model_dir: Path) -> None:
     assert kv[("ours-packed", "prefill")] == {
         **ours, "kv_role": "kv_producer", "kv_connector_extra_config": {"kv_lease_duration": 60}
     }  # fmt: skip
-    read_log = str(tmp_path / "raw" / "reads" / "ours-direct.jsonl")
+    read_log = str(tmp_path / "raw" / "reads" / "ours-direct-decode0.jsonl")
     assert kv[("ours-direct", "decode")] == {
         **ours,
         "kv_role": "kv_consumer",
         "kv_connector_extra_config": {"kv_lease_duration": 60, "staging_mib": 0,
                                       "read_log": read_log},
     }  # fmt: skip
-    assert planned[1].read_log == "reads/ours-direct.jsonl"
+    assert planned[1].read_logs == ["reads/ours-direct-decode0.jsonl"]
     assert kv[("nixl", "prefill")] == {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
     assert kv[("nixl", "decode")] == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
     colo = engines[("colocated", "colocated")]
-    assert "--kv-transfer-config" not in colo.argv and planned[3].read_log is None
+    assert "--kv-transfer-config" not in colo.argv and planned[3].read_logs == []
     # Ports and side channels never collide; prefill on GPU 0, decode on 1, colocated on 0.
     ports = [e.port for e in engines.values()] + [p.deployment.cfg.port for p in planned]
     assert len(set(ports)) == len(ports) - 1  # colocated serves on its endpoint port
@@ -108,7 +109,7 @@ def test_commands_of_each_deployment(tmp_path: Path, model_dir: Path) -> None:
         assert _arg(e.argv, "--attention-backend") == "TRITON_ATTN"
         assert "--no-enable-prefix-caching" in e.argv
         assert _arg(e.argv, "--gpu-memory-utilization") == "0.3"
-        assert _arg(e.argv, "--max-model-len") == str(2048 + 128 + 64)
+        assert _arg(e.argv, "--max-model-len") == "3072"  # 2048 + 64 + 128, rounded up
         assert _arg(e.argv, "--tokenizer") == str(tmp_path / "tok")
         assert _arg(e.argv, "--served-model-name") == "kvshare-bench"
     with pytest.raises(SystemExit, match="0.95"):  # four engines of 0.3 on GPU 0
@@ -127,23 +128,55 @@ def test_kvcached_modes_and_variants() -> None:
 
 def test_bench_command_and_seeds(tmp_path: Path, model_dir: Path) -> None:
     args, planned = _plan(tmp_path, model_dir, "--concurrency", "4", "16", "--rounds", "2")
-    runner = bs.Runner(args, planned, tmp_path / "tok", tmp_path / "raw")
+    runner = bs.Runner(args, planned, tmp_path / "tok", tmp_path / "raw", None, 4096)
     runs = {p.name: runner.runs_for(p, 1) for p in planned}
     # The same prompts for every deployment at a point of a round, new ones per point/round.
     assert [r["seed"] for r in runs["ours"]] == [r["seed"] for r in runs["colocated"]]
     assert len({r["seed"] for r in runs["ours"] + runner.runs_for(planned[0], 0)}) == 4
-    argv = bs.bench_argv(args, planned[0], tmp_path / "tok", runs["ours"][1], tmp_path / "raw")
-    assert argv[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
+    argv = bs.bench_options(
+        args, planned[0].endpoint, "ours", tmp_path / "tok", runs["ours"][1], tmp_path / "raw"
+    )
     assert _arg(argv, "--base-url") == planned[0].endpoint
     assert _arg(argv, "--dataset-name") == "random"
     assert _arg(argv, "--random-input-len") == "2048"
-    assert _arg(argv, "--random-output-len") == "128"
+    assert _arg(argv, "--random-output-len") == "64"
     assert _arg(argv, "--max-concurrency") == "16"
-    assert _arg(argv, "--num-prompts") == "200"
+    assert _arg(argv, "--num-prompts") == "64"
+    assert _arg(argv, "--request-rate") == "inf"
     assert _arg(argv, "--result-dir") == str(tmp_path / "raw" / "bench")
     assert _arg(argv, "--result-filename") == "ours_r1_in2048_c16.json"
     assert "--save-result" in argv and "--ignore-eos" in argv
-    assert "--ready-check-timeout-sec" not in argv  # only warmups check readiness
+    assert _arg(argv, "--ready-check-timeout-sec") == "0"  # the checked warmup did that
+    assert "--save-detailed" not in argv
+
+
+def test_mode_defaults_and_router_plan(tmp_path: Path, model_dir: Path) -> None:
+    args, planned = _plan(
+        tmp_path, model_dir, "--mode", "scaling", "--deployments", "ours", "nixl",
+        "--router", "vllm-router", "--num-decode", "2", "--decode-gpu-mem", "0.2",
+    )  # fmt: skip
+    assert args.input_len == [1024, 4096, 16384, 32768] and args.concurrency == [1, 16, 64]
+    assert (args.output_len, args.time_budget) == (32, 520.0)
+    ours, nixl = planned
+    assert ours.router == nixl.router == "vllm-router"
+    assert ours.deployment.cfg.router == "vllm-router"
+    assert [e.name for e in ours.deployment.engines] == ["prefill0", "decode0", "decode1"]
+    gpus = [e.env["CUDA_VISIBLE_DEVICES"] for e in ours.deployment.engines]
+    shares = [_arg(e.argv, "--gpu-memory-utilization") for e in ours.deployment.engines]
+    assert gpus == ["0", "1", "1"] and shares == ["0.3", "0.2", "0.2"]
+    assert ours.read_logs == ["reads/ours-decode0.jsonl", "reads/ours-decode1.jsonl"]
+    logs = [json.loads(_arg(e.argv, "--kv-transfer-config")).get("kv_connector_extra_config")
+            for e in ours.deployment.engines]  # fmt: skip
+    assert logs[0] is None and logs[2]["read_log"].endswith("reads/ours-decode1.jsonl")
+    # 32k prompts fit: 32768 + 32 out + 128, rounded up to 1024.
+    assert _arg(ours.deployment.engines[0].argv, "--max-model-len") == "33792"
+    ports = [e.port for p in planned for e in p.deployment.engines]
+    ports += [p.deployment.cfg.port for p in planned]
+    ports += [p.deployment.cfg.router_metrics_port for p in planned]
+    assert len(set(ports)) == len(ports)
+    bs.check_memory(planned, one_at_a_time=False)  # GPU 0: 0.6, GPU 1: 0.8
+    args, planned = _plan(tmp_path, model_dir, "--mode", "faults")
+    assert [p.name for p in planned] == ["ours"] and args.output_len == 32
 
 
 # ---- the report ---------------------------------------------------------------------------
@@ -291,7 +324,8 @@ def test_whole_run_with_fake_servers(tmp_path: Path, model_dir: Path) -> None:
     rc = bs.main(
         ["--out", str(out), "--model-dir", str(model_dir), "--tokenizer", str(tok),
          "--input-len", "16", "--output-len", "4", "--num-prompts", "1", "--concurrency", "1",
-         "--rounds", "2", "--warmup-prompts", "1", "--server-cmd", FAKE_CMD,
+         "--rounds", "2", "--warmup-requests", "2", "--warmup-tokens", "4",
+         "--server-cmd", FAKE_CMD,
          "--bench-cmd", f"{{python}} {script}", "--base-port", str(base),
          "--side-channel-port", str(pick_free_port()), "--ready-timeout", "60", "--grace", "5"]
     )  # fmt: skip
@@ -306,6 +340,12 @@ def test_whole_run_with_fake_servers(tmp_path: Path, model_dir: Path) -> None:
     # Round 1 ran in rotated order.
     by_round = [[r["deployment"] for r in results["runs"] if r["round"] == k] for k in (0, 1)]
     assert by_round == [["ours", "nixl", "colocated"], ["nixl", "colocated", "ours"]]
+    # The checked warmup: every answer right, PD texts equal to colocated's.
+    assert {n: (c["ok"], c["requests"]) for n, c in results["checks"].items()} == {
+        "ours": (2, 2), "nixl": (2, 2), "colocated": (2, 2)}  # fmt: skip
+    assert results["checks"]["ours"]["agreement"] == 1.0
+    # Each engine's served requests after the warmup, from its /metrics: one per round.
+    assert results["engines"]["ours"] == {"prefill0": 2.0, "decode0": 2.0}
     # Everything stopped: no endpoint answers any more.
     for i in range(3):
         with pytest.raises(httpx.HTTPError):
@@ -336,7 +376,7 @@ def test_sigterm_stops_servers_and_bench(tmp_path: Path, model_dir: Path) -> Non
     cmd = [
         sys.executable, str(ROOT / "benchmarks/gpu/bench_serving.py"), "--out", str(out),
         "--model-dir", str(model_dir), "--tokenizer", str(tok), "--deployments", "ours",
-        "--warmup-prompts", "0", "--server-cmd", FAKE_CMD, "--base-port", str(base),
+        "--warmup-requests", "0", "--server-cmd", FAKE_CMD, "--base-port", str(base),
         "--bench-cmd", "{python} -c 'import time; time.sleep(300)'",
         "--side-channel-port", str(pick_free_port()), "--grace", "5",
     ]  # fmt: skip

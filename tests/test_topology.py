@@ -16,6 +16,7 @@ from kvshare_connector.layout.topology import (
     resolve_sharing,
 )
 from kvshare_connector.vllm import adapter as vllm_adapter
+from kvshare_connector.vllm import compat
 
 
 def gemma4_sharing_rule(model: str) -> dict[str, str]:
@@ -38,7 +39,8 @@ def assert_owner_only(stack, topology, model):
     sharing = gemma4_sharing_rule(model)
     assert topology.sharers == sharing
     assert not set(topology.owners) & set(sharing)
-    owners = {n for t in stack.kv_cache_config.kv_cache_tensors for n in t.shared_by}
+    tensors = stack.kv_cache_config.kv_cache_tensors
+    owners = {n for t in tensors for n in compat.kv_cache_tensor_layers(t)}
     assert set(topology.owners) == owners
     # Every registered byte belongs to an owner's blocks; no region was added for a sharer
     # (sharers alias their target, so they may not widen the registered spans either).
@@ -67,9 +69,14 @@ def test_gemma4_e2b_shape_per_layer(stack_topology):
     kinds = sorted((g.spec.kind, g.spec.head_size, g.spec.block_size) for g in topology.groups)
     assert kinds == [("full", 512, 16)] + [("sliding", 256, 32)] * 4
     assert {g.spec.page_bytes for g in topology.groups} == {32768}
-    # One raw buffer per vLLM KVCacheTensor, shared by one layer of each group.
-    assert len(topology.regions) == len(stack.kv_cache_config.kv_cache_tensors) == 3
-    assert all(r.nbytes == topology.num_blocks * 32768 for r in topology.regions)
+    if compat.HAS_KV_CACHE_LAYOUT:
+        # vLLM 0.33: one buffer; each group's 3 layers strided across all of it.
+        (region,) = topology.regions
+        assert region.nbytes == topology.num_blocks * 3 * 32768
+    else:
+        # One raw buffer per vLLM KVCacheTensor, shared by one layer of each group.
+        assert len(topology.regions) == len(stack.kv_cache_config.kv_cache_tensors) == 3
+        assert all(r.nbytes == topology.num_blocks * 32768 for r in topology.regions)
 
 
 def test_sharers_resolve_to_their_targets(stack_topology):
@@ -95,10 +102,14 @@ def test_single_group_cross_layer_blocks(stack_topology):
     stack, topology = stack_topology("g4uniform", "cross_layer")
     assert_owner_only(stack, topology, "g4uniform")
     assert len(topology.groups) == 1 and len(topology.owners) == 6
-    tensor = stack.cross_layer_tensor
-    # One region: the used part of the single cross-layer tensor.
+    # One region: the used part of the single cross-layer tensor (vLLM 0.33: of the one
+    # buffer its block-major BLNHC layout puts every layer in).
     (region,) = topology.regions
-    assert region.addr == tensor.data_ptr()
+    if compat.HAS_CROSS_LAYER_TENSOR:
+        assert region.addr == stack.cross_layer_tensor.data_ptr()
+    else:
+        assert stack.vllm_config.cache_config.kv_cache_layout == "BLNHC"
+        assert region.addr == next(iter(stack.kv_caches.values())).untyped_storage().data_ptr()
     assert region.nbytes == topology.num_blocks * 6 * topology.groups[0].spec.page_bytes
     # Blocks are outermost: a block of one layer sits next to the same block of the next.
     geometries = [topology.owners[n].geometry for n in topology.groups[0].layer_names]

@@ -9,7 +9,14 @@ it holds them for decode (LMCache: when it stores them); decode digests its bloc
 load finished, before any forward. A second batch, loaded with each group's block ids
 rotated (``kvshare_probe_scramble``), is the negative control: it must mismatch.
 
-    python benchmarks/gpu/kv_exact.py run --out OUT [--cells NAME ...] [--gpus 2]
+``--verify`` turns the connector's ``verify_kv`` on (NIXL cells): every main and control
+load must be verified (decode's read_log), and a third batch whose first block is
+overwritten after the READ (``kvshare_probe_tamper``) must fail its load with a
+VerificationError. ``--outputs CELL`` also runs a colocated engine (no connector) on GPU 0
+beside that cell, for ``kv_outputs.py``: decode's outputs against the engine's own noise.
+
+    python benchmarks/gpu/kv_exact.py run --out OUT [--cells NAME ...] [--gpus 2] \
+        [--verify] [--outputs e2b/plain]
     python benchmarks/gpu/kv_exact.py report OUT
 
 Writes OUT/<cell>/{prefill,decode}.jsonl and logs, OUT/results.json, OUT/summary.md and
@@ -36,6 +43,7 @@ sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]  # package; ran
 PROMPT_LENS = (700, 1300, 2100, 3100)
 MAX_TOKENS = 8
 BATCHES = ("main", "control")
+VERIFY_BATCHES = (*BATCHES, "tamper")
 E2B = "gemma4_e2b_shape"
 CELLS: dict[str, dict[str, Any]] = {
     "e2b/plain": {"model": E2B},
@@ -48,6 +56,10 @@ CELLS: dict[str, dict[str, Any]] = {
 
 def cell_dir(out: Path, name: str) -> Path:
     return out / name.replace("/", "__")
+
+
+def batches_of(cell: dict[str, Any]) -> tuple[str, ...]:
+    return VERIFY_BATCHES if cell.get("verify") else BATCHES
 
 
 def cell_env(cell: dict[str, Any]) -> dict[str, str]:
@@ -72,12 +84,20 @@ def engine_main(args: argparse.Namespace) -> None:
     from gpu_pd_e2e import generate_tokens, start_engine
 
     work, weights = Path(args.work), Path(args.weights)
-    cell = CELLS[args.cell]
+    cell = {**CELLS[args.cell], "verify": args.verify}
     config = json.loads((weights / "config.json").read_text())
+    if args.role == "colocated":
+        from kv_outputs import colocated_main
+
+        args.max_tokens = MAX_TOKENS
+        colocated_main(args, weights, lambda batch: prompts(batch, config["vocab_size"]))
+        return
     extra: dict[str, Any] = {
         "kv_lease_duration": args.hold_s,
         "transfer_timeout_s": 120,
         "kv_probe": {"out": str(work / f"{args.role}.jsonl"), "scramble": False},
+        "verify_kv": args.verify,
+        "read_log": str(work / f"{args.role}.read_log.jsonl"),
     }
     if cell.get("backend") == "lmcache":
         url = os.environ["KVSHARE_LMCACHE_URL"]
@@ -98,7 +118,7 @@ def engine_main(args: argparse.Namespace) -> None:
         return generate_tokens(llm, prompts(batch, config["vocab_size"]), params, max_tokens)
 
     if args.role == "prefill":
-        for batch in BATCHES:
+        for batch in batches_of(cell):
             out[batch] = run(batch, [{"do_remote_decode": True}] * len(PROMPT_LENS), 1)
         _write(work / "prefill.json", out)
         deadline = time.monotonic() + args.hold_s
@@ -116,6 +136,10 @@ def engine_main(args: argparse.Namespace) -> None:
         {**p, "kvshare_probe_scramble": True} for p in produced["control"]["kv_transfer_params"]
     ]
     out["control"] = run("control", scrambled, MAX_TOKENS)
+    if "tamper" in produced:
+        params = produced["tamper"]["kv_transfer_params"]
+        tampered = [{**p, "kvshare_probe_tamper": True} for p in params]
+        out["tamper"] = run("tamper", tampered, MAX_TOKENS)
     _write(work / "decode.result.json", out)
     (work / "stop").touch()
 
@@ -190,10 +214,13 @@ def ensure_weights(model: str, args: argparse.Namespace) -> Path:
 
 
 def run_cell(name: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
-    cell = CELLS[name]
+    # verify_kv is the NIXL backend's: LMCache cells run without it
+    cell = {**CELLS[name], "verify": args.verify and CELLS[name].get("backend") != "lmcache"}
     work = cell_dir(Path(args.out), name)
     work.mkdir(parents=True, exist_ok=True)
     for stale in ("stop", "prefill.json", "decode.result.json", "prefill.jsonl", "decode.jsonl"):
+        (work / stale).unlink(missing_ok=True)
+    for stale in ("decode.read_log.jsonl", "prefill.read_log.jsonl", "colocated.json"):
         (work / stale).unlink(missing_ok=True)
     weights = ensure_weights(cell["model"], args)
     env = cell_env(cell)
@@ -214,16 +241,21 @@ def run_cell(name: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
     mem = args.mem or (0.5 if two else 0.4)
     procs = {}
     t0 = time.monotonic()
-    for i, role in enumerate(("prefill", "decode")):
+    roles = ["prefill", "decode"] + (["colocated"] if args.outputs == name else [])
+    for i, role in enumerate(roles):
+        gpu = {"colocated": 0}.get(role, i) if two else 0
         cmd = [sys.executable, __file__, "engine", "--role", role, "--cell", name]
+        cmd += ["--verify"] if cell["verify"] else []
         cmd += ["--work", str(work), "--weights", str(weights), "--mem", str(mem)]
         cmd += [
             "--hold-s",
             str(args.timeout),
             "--lock",
-            str(work / f"{role if two else 'gpu'}.lock"),
+            str(work / (f"gpu{gpu}.lock" if two else "gpu.lock")),
         ]
-        role_env = {**env, "CUDA_VISIBLE_DEVICES": str(i if two else 0)}
+        if role == "colocated":  # beside prefill on GPU 0: a smaller share
+            cmd[cmd.index("--mem") + 1] = str(min(mem, 0.3))
+        role_env = {**env, "CUDA_VISIBLE_DEVICES": str(gpu)}
         role_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port + i)
         role_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
         procs[role] = start(cmd, work / f"{role}.log", role_env)
@@ -235,9 +267,12 @@ def run_cell(name: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
     rc_decode = stop(procs["decode"], 1)
     (work / "stop").touch()
     rc_prefill = stop(procs["prefill"], 60)
+    rc_colocated = stop(procs["colocated"], 120) if "colocated" in procs else None
     if server is not None:
         stop(server, 0.01)
     result = {"cell": name, **cell, "rc_prefill": rc_prefill, "rc_decode": rc_decode}
+    if rc_colocated is not None:
+        result["rc_colocated"] = rc_colocated
     result["wall_s"] = round(time.monotonic() - t0, 1)
     result.update(check_cell(work, cell))
     _write(work / "cell.json", result)
@@ -258,8 +293,15 @@ def check_cell(work: Path, cell: dict[str, Any]) -> dict[str, Any]:
     prefill = {r["request_id"]: r for r in _jsonl(work / "prefill.jsonl")}
     decoded = _jsonl(work / "decode.jsonl")
     requests, problems = [], []
+    batches = batches_of(cell)
+    tampered = []
     for record in decoded:
         kind = "control" if record.get("scrambled") else "main"
+        if record.get("tampered"):
+            tampered.append(record)
+            if "VerificationError" not in record.get("failed", ""):
+                problems.append(f"tamper {record['request_id']}: load was not refused")
+            continue
         if "failed" in record:
             problems.append(f"{kind} {record['request_id']}: load failed: {record['failed']}")
             continue
@@ -274,10 +316,19 @@ def check_cell(work: Path, cell: dict[str, Any]) -> dict[str, Any]:
         if got != len(PROMPT_LENS):
             problems.append(f"{kind}: {got} of {len(PROMPT_LENS)} requests compared")
     decode = json.loads(p.read_text()) if (p := work / "decode.result.json").exists() else {}
-    for kind in BATCHES:
+    for kind in batches:
         for params in decode.get(kind, {}).get("kv_transfer_params", []):
-            if params and params.get("kv_load_error"):
-                problems.append(f"{kind}: kv_load_error {params['kv_load_error']}")
+            error = (params or {}).get("kv_load_error")
+            if kind != "tamper" and error:
+                problems.append(f"{kind}: kv_load_error {error}")
+            elif kind == "tamper" and "VerificationError" not in (error or ""):
+                problems.append(f"tamper: no VerificationError returned ({error})")
+    verified = [r for r in _jsonl(work / "decode.read_log.jsonl") if r.get("verified")]
+    if "tamper" in batches:
+        if len(tampered) != len(PROMPT_LENS):
+            problems.append(f"tamper: {len(tampered)} of {len(PROMPT_LENS)} loads refused")
+        if len(verified) != 2 * len(PROMPT_LENS):
+            problems.append(f"verify_kv: {len(verified)} of {2 * len(PROMPT_LENS)} loads verified")
     for r in requests:
         bad = r["problems"] + [f"group {g} compared no block" for g in r["groups_without_blocks"]]
         if r["batch"] == "main":
@@ -293,20 +344,47 @@ def check_cell(work: Path, cell: dict[str, Any]) -> dict[str, Any]:
         "problems": problems,
         "tokens": {k: decode.get(k, {}).get("tokens") for k in BATCHES},
         "logprobs": {k: decode.get(k, {}).get("logprobs") for k in BATCHES},
+        "verified_loads": len(verified),
+        "verified_layer_blocks": sum(r["verified"] for r in verified),
+        "tamper_refused": sum("VerificationError" in r.get("failed", "") for r in tampered),
         "prefill_digest_s": sum(r.get("seconds", 0) for r in prefill.values()),
         "decode_digest_s": sum(r.get("seconds", 0) for r in decoded),
     }
 
 
 def passed(result: dict[str, Any]) -> bool:
-    return result["rc_prefill"] == 0 and result["rc_decode"] == 0 and not result["problems"]
+    rcs = (result["rc_prefill"], result["rc_decode"], result.get("rc_colocated", 0))
+    return rcs == (0, 0, 0) and not result["problems"]
+
+
+def verify_column(res: dict[str, Any]) -> str:
+    if not res.get("verify"):
+        return "off"
+    blocks, refused = res.get("verified_layer_blocks", 0), res.get("tamper_refused", 0)
+    return f"{res.get('verified_loads', 0)} ({blocks:,} layer-blocks) / {refused}"
+
+
+def outputs_table(out: Path, results: list[dict[str, Any]]) -> str:
+    """Decode's outputs vs the colocated engine and its noise floor, where one ran."""
+    from kv_outputs import compare_outputs, table
+
+    compared = {}
+    for res in results:
+        work = cell_dir(out, res["cell"])
+        if (work / "colocated.json").exists() and (work / "decode.result.json").exists():
+            compared[res["cell"]] = compare_outputs(
+                json.loads((work / "decode.result.json").read_text()),
+                json.loads((work / "colocated.json").read_text()),
+            )
+    return "\n\n" + table(compared) if compared else ""
 
 
 def summary(results: list[dict[str, Any]]) -> str:
     lines = [
         "| cell | rc p/d | requests | layer-blocks compared | MiB compared | mismatches "
-        "| sharer checks (bad) | control mismatches | first control locations | verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| sharer checks (bad) | control mismatches | first control locations "
+        "| verify_kv: loads verified / tampered refused | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for res in results:
         main = [r for r in res["requests"] if r["batch"] == "main"]
@@ -320,7 +398,7 @@ def summary(results: list[dict[str, Any]]) -> str:
             f"| {sum(r['bytes_compared'] for r in main) / 2**20:.1f} "
             f"| {sum(r['mismatches'] for r in main)} | {sharers} ({bad_sharers}) "
             f"| {sum(r['mismatches'] for r in ctl)} | {'; '.join(where) or '-'} "
-            f"| {'PASS' if passed(res) else 'FAIL'} |"
+            f"| {verify_column(res)} | {'PASS' if passed(res) else 'FAIL'} |"
         )
     for res in results:
         for problem in res["problems"][:10]:
@@ -331,7 +409,7 @@ def summary(results: list[dict[str, Any]]) -> str:
 def finish(out: Path, results: list[dict[str, Any]]) -> int:
     """results.json, summary.md and one archive of every cell's logs and digests."""
     _write(out / "results.json", results)
-    text = summary(results)
+    text = summary(results) + outputs_table(out, results)
     (out / "summary.md").write_text(text + "\n")
     with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
         for path in sorted(out.iterdir()):
@@ -373,14 +451,15 @@ def cmd_report(out: Path) -> int:
     return finish(out, results)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def command_line(
+    doc: str, cells: dict[str, Any]
+) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The run / engine / report commands both KV-exact drivers share: (parser, run, engine)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run")
     run.add_argument("--out", required=True)
-    run.add_argument("--cells", nargs="*", choices=list(CELLS))
-    run.add_argument("--gpus", type=int, default=2, choices=[1, 2])
-    run.add_argument("--mem", type=float, help="gpu_memory_utilization per engine")
+    run.add_argument("--cells", nargs="*", choices=list(cells))
     run.add_argument("--weights", default="/tmp/kvshare-weights")
     run.add_argument("--timeout", type=float, default=900, help="per cell, seconds")
     engine = sub.add_parser("engine")
@@ -388,15 +467,27 @@ def main() -> None:
         engine.add_argument(flag, required=True)
     engine.add_argument("--mem", type=float, required=True)
     engine.add_argument("--hold-s", type=float, default=900)
-    rep = sub.add_parser("report")
-    rep.add_argument("out")
-    args = parser.parse_args()
+    sub.add_parser("report").add_argument("out")
+    return parser, run, engine
+
+
+def dispatch(args: argparse.Namespace, run: Any, engine: Any, report: Any) -> None:
     if args.command == "run":
-        sys.exit(cmd_run(args))
+        sys.exit(run(args))
     if args.command == "engine":
-        engine_main(args)
+        engine(args)
         return
-    sys.exit(cmd_report(Path(args.out)))
+    sys.exit(report(Path(args.out)))
+
+
+def main() -> None:
+    parser, run, engine = command_line(__doc__, CELLS)
+    run.add_argument("--gpus", type=int, default=2, choices=[1, 2])
+    run.add_argument("--mem", type=float, help="gpu_memory_utilization per engine")
+    run.add_argument("--verify", action="store_true", help="verify_kv on, plus a tamper batch")
+    run.add_argument("--outputs", help="run a colocated engine beside this cell")
+    engine.add_argument("--verify", action="store_true")
+    dispatch(parser.parse_args(), cmd_run, engine_main, cmd_report)
 
 
 if __name__ == "__main__":

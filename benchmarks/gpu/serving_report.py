@@ -98,18 +98,29 @@ def read_stats(reads: list[dict[str, Any]], start: float, end: float) -> dict[st
     }
 
 
+def _read_logs(info: dict[str, Any]) -> list[str]:
+    """A deployment's read logs: one per decode engine (older runs: one ``read_log``)."""
+    logs = list(info.get("read_logs") or [])
+    return logs or ([info["read_log"]] if info.get("read_log") else [])
+
+
 def collect(files: dict[str, bytes]) -> dict[str, Any]:
-    """One record per timed run: its manifest entry, vLLM's metrics, our READ stats."""
+    """One record per timed run: its manifest entry, vLLM's metrics, our READ stats; runs
+    the time budget left out go to ``skipped``."""
     manifest = _jsonl(files.get("runs.jsonl"))
     deployments = json.loads(files.get("deployments.json", b"{}"))
     meta = json.loads(files.get("meta.json", b"{}"))
     reads: dict[str, list[dict[str, Any]]] = {}
     for name, info in deployments.items():
-        if info.get("read_log"):
-            reads[name] = _jsonl(files.get(info["read_log"]))
-    runs = []
+        logs = _read_logs(info)
+        if logs:
+            reads[name] = [r for log in logs for r in _jsonl(files.get(log))]
+    runs, skipped = [], []
     for entry in manifest:
         if entry.get("warmup"):
+            continue
+        if entry.get("skipped"):
+            skipped.append(entry)
             continue
         rec = dict(entry)
         result = files.get(entry["file"])
@@ -126,7 +137,41 @@ def collect(files: dict[str, bytes]) -> dict[str, Any]:
                 stats["reads_per_request"] = stats["reads"] / done
             rec["reads"] = stats
         runs.append(rec)
-    return {"meta": meta, "deployments": deployments, "runs": runs}
+    return {"meta": meta, "deployments": deployments, "runs": runs, "skipped": skipped,
+            "checks": _checks(files), "engines": _engine_requests(files)}  # fmt: skip
+
+
+def _checks(files: dict[str, bytes]) -> dict[str, Any]:
+    """The warmup's generation checks per deployment, and text agreement with colocated."""
+    out: dict[str, Any] = {}
+    for name, data in files.items():
+        if name.startswith("checks/") and name.endswith(".json") and "agreement" not in name:
+            c = json.loads(data)
+            out[c["deployment"]] = {k: c.get(k) for k in ("requests", "ok", "problems")}
+    agree = json.loads(files.get("checks/agreement.json", b"{}"))
+    for name, frac in agree.items():
+        out.setdefault(name, {})["agreement"] = frac
+    return out
+
+
+def _engine_requests(files: dict[str, bytes]) -> dict[str, dict[str, Any]]:
+    """Per deployment and engine, requests it served between the warmup and the end (from
+    ``vllm:request_success_total``): shows how a router spread the load."""
+    first: dict[tuple[str, str], float] = {}
+    last: dict[tuple[str, str], float] = {}
+    for snap in _jsonl(files.get("engine_metrics.jsonl")):
+        for engine, summary in snap["engines"].items():
+            key = (snap["deployment"], engine)
+            if summary.get("requests") is None:
+                continue
+            if snap["tag"] == "after-warmup":
+                first[key] = summary["requests"]
+            else:
+                last[key] = summary["requests"]
+    out: dict[str, dict[str, Any]] = {}
+    for (dep, engine), value in sorted(last.items()):
+        out.setdefault(dep, {})[engine] = value - first.get((dep, engine), 0.0)
+    return out
 
 
 def _spread(values: list[float]) -> dict[str, float] | None:
@@ -170,7 +215,21 @@ def aggregate(collected: dict[str, Any]) -> dict[str, Any]:
         points.append(
             {"input_len": input_len, "concurrency": conc, "deployments": deps, "ratios": ratios}
         )
-    return {"meta": collected["meta"], "points": points}
+    not_reached = sorted(
+        {(s["input_len"], s["concurrency"], s["deployment"], s["skipped"])
+         for s in collected.get("skipped", [])}
+    )  # fmt: skip
+    return {
+        "meta": collected["meta"],
+        "points": points,
+        "not_reached": [
+            {"input_len": n, "concurrency": c, "deployment": d, "why": w}
+            for n, c, d, w in not_reached
+        ],
+        "checks": collected.get("checks", {}),
+        "engines": collected.get("engines", {}),
+        "routers": {n: d.get("router") for n, d in collected["deployments"].items()},
+    }
 
 
 def _ratio(a: dict[str, float] | None, b: dict[str, float] | None) -> float | None:
@@ -195,6 +254,9 @@ def markdown(summary: dict[str, Any]) -> str:
     lines = ["# Serving benchmark: PD (ours, NixlConnector) vs colocated", ""]
     if meta:
         lines += [
+            f"- mode `{meta.get('mode', 'rounds')}`; PD front `{meta.get('router', 'kvshare')}`"
+            f", {meta.get('num_prefill', 1)} prefill x {meta.get('num_decode', 1)} decode "
+            f"engines; time budget {meta.get('time_budget')} s",
             f"- model: `{meta.get('model_dir')}`; tokenizer `{meta.get('tokenizer')}`",
             f"- output {meta.get('output_len')} tokens, {meta.get('num_prompts')} prompts per "
             f"run, {meta.get('rounds')} rounds (order rotated), kvcached "
@@ -209,6 +271,7 @@ def markdown(summary: dict[str, Any]) -> str:
         "descriptors; reads/req < 1 means some requests were computed locally).",
         "",
     ]
+    lines += _checks_md(summary) + _scaling_md(summary)
     heads = [h for _, h in METRICS] + ["failed"] + [h for _, h in READ_METRICS]
     for point in summary["points"]:
         lines += [f"## input {point['input_len']} tokens, concurrency {point['concurrency']}", ""]
@@ -235,6 +298,65 @@ def markdown(summary: dict[str, Any]) -> str:
                 )
         lines.append("")
     return "\n".join(lines)
+
+
+def _checks_md(summary: dict[str, Any]) -> list[str]:
+    """Warmup generation checks, and how many requests each engine served."""
+    lines: list[str] = []
+    checks = summary.get("checks") or {}
+    if checks:
+        lines += ["## Generation checks (warmup: greedy, token-id prompts, the same for all)", "",
+                  "| deployment | front | ok / requests | same text as colocated | problems |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for name, c in sorted(checks.items()):
+            agree = c.get("agreement")
+            lines.append(
+                f"| {name} | {summary.get('routers', {}).get(name) or '-'} | "
+                f"{c.get('ok', '-')} / {c.get('requests', '-')} | "
+                f"{'-' if agree is None else f'{agree:.0%}'} | "
+                f"{'; '.join((c.get('problems') or [])[:3]) or '-'} |"
+            )
+        lines.append("")
+    engines = summary.get("engines") or {}
+    if engines:
+        lines += ["Requests each engine served after the warmup (`vllm:request_success_total`):",
+                  ""]  # fmt: skip
+        for dep, counts in sorted(engines.items()):
+            lines.append(f"- {dep}: " + ", ".join(f"{e} {v:.0f}" for e, v in counts.items()))
+        lines.append("")
+    return lines
+
+
+def _scaling_md(summary: dict[str, Any]) -> list[str]:
+    """One compact table over every point (TTFT p50, ITL p50, READ GB/s per deployment),
+    with the points the time budget left out marked."""
+    points = summary["points"]
+    missing = summary.get("not_reached") or []
+    if len(points) + len(missing) < 2:
+        return []
+    names = sorted(
+        {n for p in points for n in p["deployments"]} | {m["deployment"] for m in missing}
+    )
+    keys = sorted({(p["input_len"], p["concurrency"]) for p in points}
+                  | {(m["input_len"], m["concurrency"]) for m in missing})  # fmt: skip
+    by = {(p["input_len"], p["concurrency"]): p["deployments"] for p in points}
+    lines = ["## Scaling: TTFT p50 ms / ITL p50 ms / READ GB/s (median)", "",
+             "| input | concurrency | " + " | ".join(names) + " |",
+             "|---|---|" + "---|" * len(names)]  # fmt: skip
+    for key in keys:
+        cells = []
+        for name in names:
+            row = by.get(key, {}).get(name)
+            if row is None:
+                cells.append("not reached")
+                continue
+            ttft, itl, gbps = (row.get(k) for k in ("median_ttft_ms", "median_itl_ms", "read_gbps"))
+            cells.append(" / ".join(_cell(x and {**x, "n": 1}, 1) for x in (ttft, itl))
+                         + ("" if not gbps else f" / {gbps['median']:.1f}"))  # fmt: skip
+        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
+    if missing:
+        lines += ["", f"Not reached ({len(missing)} runs): " + missing[0]["why"]]
+    return [*lines, ""]
 
 
 def plot(summary: dict[str, Any], path: Path) -> bool:
@@ -271,9 +393,16 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
                         lo.append(s["median"] - s["min"])
                         hi.append(s["max"] - s["median"])
                 if xs:
-                    ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=name)
+                    color = f"C{names.index(name) % 10}"  # one colour per deployment
+                    ax.errorbar(
+                        xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=name, color=color
+                    )
             ax.set_title(f"{label}, concurrency {conc}", fontsize=9)
             ax.set_xlabel("input tokens")
+            lengths = sorted({p["input_len"] for p in points})
+            if lengths[-1] >= 4 * lengths[0]:  # 1k..32k: even spacing per doubling
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(lengths, [f"{n // 1024}k" if n >= 1024 else str(n) for n in lengths])
             ax.grid(alpha=0.3)
             if ax.has_data():
                 ax.legend(fontsize=7)

@@ -24,6 +24,17 @@ BlockIds = tuple[list[int], ...]  # one list of block ids per KV cache group
 Hold = tuple[float, BlockIds]  # lease seconds, the request's held blocks per group
 
 
+def flag_option(extra_config: Mapping[str, Any], key: str, default: bool = False) -> bool:
+    """A true/false option of ``kv_connector_extra_config`` (JSON bool, or its string form
+    from a CLI): anything else fails at engine start instead of being read as true."""
+    value = extra_config.get(key, default)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    raise ValueError(f"kv_connector_extra_config.{key} must be true or false, got {value!r}")
+
+
 def empty_block_ids(num_groups: int) -> BlockIds:
     return tuple([] for _ in range(num_groups))
 
@@ -156,6 +167,10 @@ class WorkerContext:
     side_channel_secret: bytes | None = None  # HMAC key of every side-channel message
     engine_identity: EngineIdentity | None = None  # model, dtypes, block size, vLLM version
     staging_bytes: int = 0  # packed transfer: staging area per engine (0: block by block)
+    verify_kv: bool = False  # digest KV on both sides; a load that differs fails
+    tp_size: int = 1  # TP: this engine's size and this worker's rank (its port is base + rank)
+    tp_rank: int = 0
+    model_kv_heads: int = 0  # the model's KV heads before the TP split (0: unknown)
 
     @property
     def produces(self) -> bool:

@@ -28,10 +28,11 @@ from kvshare_connector.backends.base import (
 )
 from kvshare_connector.common.log import get_logger
 from kvshare_connector.layout.topology import KVTopology
+from kvshare_connector.transfer.digests import Digester
 from kvshare_connector.transfer.nixl import NixlTransport
 from kvshare_connector.transfer.packing import MemoryMap, Packer, StagingArea
 from kvshare_connector.transfer.protocol import RemotePrefillParams
-from kvshare_connector.transfer.sink import KVSink
+from kvshare_connector.transfer.shards import ShardedSink, rank_shard
 from kvshare_connector.transfer.source import KVSource
 
 logger = get_logger(__name__)
@@ -78,12 +79,16 @@ class NixlWorker(WorkerBackend):
     def __init__(self, context: WorkerContext):
         super().__init__(context)
         self.source: KVSource | None = None
-        self.sink: KVSink | None = None
+        self.sink: ShardedSink | None = None
 
     def start(self, topology: KVTopology, tensors: Any) -> str:
         c = self.context
         transport = NixlTransport(f"{c.engine_id}-{c.role}-{uuid.uuid4().hex[:6]}")
         secret, identity = c.side_channel_secret, c.engine_identity
+        values = list(tensors.values()) if isinstance(tensors, Mapping) else [tensors]
+        memory = MemoryMap(values)  # torch views of the KV storages: packing and digests
+        digester = Digester(memory, values[0].device) if c.verify_kv else None
+        shard = rank_shard(topology, c.tp_size, c.tp_rank, c.model_kv_heads)  # TP: our heads
         if c.produces:
             self.source = KVSource(
                 c.engine_id,
@@ -94,21 +99,26 @@ class NixlWorker(WorkerBackend):
                 c.lease_s,
                 identity,
                 secret,
-                packer=self._packer(tensors),
+                packer=self._packer(memory, values[0].device),
+                digester=digester,
+                shard=shard,
             )
         if c.consumes:
-            self.sink = KVSink(
-                c.engine_id,
+            self.sink = ShardedSink(
+                shard,
                 topology,
-                transport,
-                c.handshake_timeout_s,
-                c.transfer_timeout_s,
-                identity,
-                secret,
-                packer=self._packer(tensors),
+                engine_id=c.engine_id,
+                transport=transport,
+                handshake_timeout_s=c.handshake_timeout_s,
+                transfer_timeout_s=c.transfer_timeout_s,
+                identity=identity,
+                secret=secret,
+                packer=self._packer(memory, values[0].device),
+                digester=digester,
             )
         registered = sum(r.nbytes for r in topology.regions)
-        line = f"registered {len(topology.owners)} owner layer(s) in {len(topology.regions)} "
+        line = f"TP rank {c.tp_rank}/{c.tp_size}: " if c.tp_size > 1 else ""
+        line += f"registered {len(topology.owners)} owner layer(s) in {len(topology.regions)} "
         line += f"region(s) ({registered / 2**20:.1f} MiB)"
         if self.source is not None:
             line += f"; side channel {c.host}:{self.source.port}"
@@ -116,17 +126,15 @@ class NixlWorker(WorkerBackend):
         line += f"; packed transfer {'on' if packers else 'off'}"
         if packers:
             line += f" ({sum(p.staging.nbytes for p in packers) / 2**20:.0f} MiB staging)"
-        return line
+        return line + f"; verify_kv {'on' if digester else 'off'}"
 
-    def _packer(self, tensors: Any) -> Packer | None:
-        """A staging area on the KV's device and a view of the KV memory (None: packing
-        off, or the memory cannot be viewed: transfers go block by block)."""
+    def _packer(self, memory: MemoryMap, device: Any) -> Packer | None:
+        """A staging area on the KV's device (None: packing off, or no room for it:
+        transfers go block by block)."""
         if self.context.staging_bytes <= 0:
             return None
-        values = list(tensors.values()) if isinstance(tensors, Mapping) else [tensors]
         try:
-            staging = StagingArea(self.context.staging_bytes, values[0].device)
-            return Packer(MemoryMap(values), staging)
+            return Packer(memory, StagingArea(self.context.staging_bytes, device))
         except Exception as exc:  # e.g. no room on the device: slower, still correct
             logger.warning("packed transfer off: %s: %s", type(exc).__name__, exc)
             return None
@@ -178,6 +186,9 @@ class NixlWorker(WorkerBackend):
             }
             progress.loaded = {r for r in done if not r.endswith(_RELEASE_SUFFIX)}
             progress.records, self.sink.records = self.sink.records, []
+            for counter, n in self.sink.counters.items():
+                progress.counters[counter] = progress.counters.get(counter, 0) + n
+            self.sink.counters.clear()
         return progress
 
     def in_flight(self) -> set[str]:

@@ -1,6 +1,7 @@
 """vLLM's real KV cache objects for a Gemma-4 model, built on a host without a GPU.
 
-Used by the demo and the tests. Everything comes from vLLM 0.26 itself: the model
+Used by the demo and the tests, on vLLM 0.26 and 0.33. Everything comes from vLLM itself
+(0.26's functions named here; 0.33's below): the model
 (``Gemma4ForCausalLM`` on the meta device, so its ``Attention`` layers carry the real
 sharing map and specs), ``get_kv_cache_configs`` (groups, HMA block sizes, shared
 tensors), the V2 runner's ``init_attn_backend``/``init_kv_cache`` (the per-layer views and
@@ -11,6 +12,13 @@ HMA platform gate. kvcached's layouts are reproduced with kvcached 0.1.6's geome
 (its allocator needs a CUDA driver): one reservation larger than what vLLM uses, with
 per-layer ``as_strided`` views that interleave layers per block in its default
 contiguous layout.
+
+On vLLM 0.33 the same model goes through 0.33's own steps: ``resolve_kv_cache_layout``
+(the layouts its attention backends support, the connector's wish, or the one named),
+``get_global_kv_cache_groups`` / ``get_kv_cache_configs`` (the per-group tensors with their
+layer and block strides) and the runner's ``init_kv_cache`` (one buffer, strided
+``[B, H, N, C]`` views). ``per_layer`` is vLLM's own pick, ``cross_layer`` the block-major
+``BLNHC``, and any ``KVCacheLayout`` name can be asked for.
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ from unittest import mock
 
 from kvshare_connector.common.files import write_atomic
 
-MODELS = ("gemma4_e2b_shape", "g4tiny", "g4uniform")
+MODELS = ("gemma4_e2b_shape", "g4tiny", "g4uniform", "gemma4_e2b_kv4")  # kv4: 4 KV heads (TP)
 LAYOUTS = ("per_layer", "cross_layer", "kvcached_contiguous", "kvcached_per_layer")
+# vLLM >= 0.29: its KVCacheLayout names (logical [L, B, H, N, C] in physical order).
+VLLM_LAYOUTS = ("LBNHC", "LBHNC", "LHBNC", "BLNHC", "BLHNC", "BHLNC")
 FLASH_ATTN = "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend"
 
 
@@ -131,18 +141,23 @@ def build_cpu_stack(
     kv_transfer_config: Any = None,
     kvcached_spare_blocks: int = 64,
     max_model_len: int = 2048,
+    kv_heads: int | None = None,
 ) -> CpuKVStack:
-    """Build the KV memory of ``model`` in ``layout`` from vLLM's own functions."""
+    """Build the KV memory of ``model`` in ``layout`` from vLLM's own functions.
+
+    ``kv_heads``: override the model's KV head count, to build what one TP rank holds
+    (a rank of TP ``t`` over ``H`` split heads holds ``H / t``)."""
     import torch
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.models.gemma4 import Gemma4ForCausalLM
     from vllm.platforms import current_platform
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
     from vllm.v1.worker.gpu import attn_utils
-    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
+    from kvshare_connector.vllm import compat
+
+    known = LAYOUTS + (VLLM_LAYOUTS if compat.HAS_KV_CACHE_LAYOUT else ())
+    if layout not in known:
+        raise ValueError(f"unknown layout {layout!r}; choose from {known}")
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()  # as EngineArgs does: registers KVShareConnector by name
@@ -153,7 +168,10 @@ def build_cpu_stack(
         skip_tokenizer_init=True,
         dtype="bfloat16",
         max_model_len=max_model_len,
-        hf_overrides=hf_overrides_for(path / "config.json"),
+        hf_overrides={
+            **hf_overrides_for(path / "config.json"),
+            **({"num_key_value_heads": kv_heads} if kv_heads else {}),
+        },
     )
     vllm_config = VllmConfig(
         model_config=model_config,
@@ -176,7 +194,12 @@ def build_cpu_stack(
 
     sharing = sharing_map(forward_context)
     specs = attn_utils.get_kv_cache_spec(vllm_config)
-    kv_cache_config = get_kv_cache_configs(vllm_config, [specs], [kv_bytes])[0]
+    if compat.HAS_KV_CACHE_LAYOUT:
+        kv_cache_config = _kv_cache_config_v033(vllm_config, specs, kv_bytes, layout)
+    else:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+        kv_cache_config = get_kv_cache_configs(vllm_config, [specs], [kv_bytes])[0]
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks  # as EngineCore does
     worker_config = copy.deepcopy(kv_cache_config)
     with set_current_vllm_config(vllm_config):
@@ -192,7 +215,17 @@ def build_cpu_stack(
     }
     stack = CpuKVStack(model, layout, vllm_config, kv_cache_config, {}, sharing, backends)
 
-    if layout == "per_layer":
+    if compat.HAS_KV_CACHE_LAYOUT and not layout.startswith("kvcached"):
+        with set_current_vllm_config(vllm_config):
+            stack.kv_caches = attn_utils.init_kv_cache(
+                forward_context,
+                worker_config,
+                torch.device("cpu"),
+                kernel_block_sizes,
+                vllm_config,
+                attn_groups=[group for groups in attn_groups for group in groups],
+            )
+    elif layout == "per_layer":
         with set_current_vllm_config(vllm_config):
             stack.kv_caches = attn_utils.init_kv_cache(
                 [],
@@ -205,6 +238,8 @@ def build_cpu_stack(
                 vllm_config,
             )
     elif layout == "cross_layer":
+        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
         with set_current_vllm_config(vllm_config):
             kv_caches, tensor, backend = KVConnectorModelRunnerMixin.allocate_uniform_kv_caches(
                 worker_config, attn_groups, "auto", torch.device("cpu"), kernel_block_sizes
@@ -221,6 +256,34 @@ def build_cpu_stack(
             capacity_blocks=kv_cache_config.num_blocks + kvcached_spare_blocks,
         )
     return stack
+
+
+def _kv_cache_config_v033(vllm_config: Any, specs: Any, kv_bytes: int, layout: str) -> Any:
+    """vLLM 0.33's engine-core steps: resolve the layout, group the layers, size the KV.
+
+    ``per_layer`` and kvcached's layouts leave the choice to vLLM (the connector's wish
+    included, as in an engine); ``cross_layer`` or a ``KVCacheLayout`` name is asked for
+    the way a user would, with ``VLLM_KV_CACHE_LAYOUT``.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+
+    from kvshare_connector.vllm.compat import BLOCK_MAJOR_LAYOUT
+
+    wanted = BLOCK_MAJOR_LAYOUT if layout == "cross_layer" else layout
+    env = {"VLLM_KV_CACHE_LAYOUT": wanted} if wanted in VLLM_LAYOUTS else {}
+    with set_current_vllm_config(vllm_config), mock.patch.dict(os.environ, env):
+        supported = get_supported_kv_cache_layouts(get_current_attn_backends(vllm_config))
+        resolve_kv_cache_layout(vllm_config, [[x.name for x in supported]], specs.values())
+        groups = get_global_kv_cache_groups(vllm_config, [specs])
+        config = get_kv_cache_configs(vllm_config, [specs], [kv_bytes], groups)[0]
+    config.kv_cache_layout = vllm_config.cache_config.kv_cache_layout  # as EngineCore does
+    return config
 
 
 def kvcached_views(

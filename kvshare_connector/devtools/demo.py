@@ -85,6 +85,14 @@ def cpu_packer(stack: Any, packed_mib: int) -> Any:
     return Packer(MemoryMap(stack.kv_caches.values()), StagingArea(packed_mib << 20, "cpu"))
 
 
+def cpu_digester(stack: Any) -> Any:
+    """``verify_kv`` digests over this process's KV tensors, on the host."""
+    from kvshare_connector.transfer.digests import Digester
+    from kvshare_connector.transfer.packing import MemoryMap
+
+    return Digester(MemoryMap(stack.kv_caches.values()), "cpu")
+
+
 # ---- prefill process ----------------------------------------------------------------------
 
 
@@ -257,15 +265,17 @@ def run_demo(args: argparse.Namespace) -> int:
             packed_mib=args.packed_mib,
         )
 
+    # Decode's KV first: prefill's lease runs from its ready line, and building vLLM's
+    # objects can take longer than the lease on a loaded machine.
+    stack, topology = build(args.model, args.decode_layout, 64, 2048)
+    sink = KVSink(
+        f"decode-{uuid.uuid4().hex[:8]}",
+        topology,
+        NixlTransport(f"decode-{uuid.uuid4().hex[:8]}"),
+        packer=cpu_packer(stack, args.packed_mib),
+    )
     prefill = prefill_process()
     try:
-        stack, topology = build(args.model, args.decode_layout, 64, 2048)
-        sink = KVSink(
-            f"decode-{uuid.uuid4().hex[:8]}",
-            topology,
-            NixlTransport(f"decode-{uuid.uuid4().hex[:8]}"),
-            packer=cpu_packer(stack, args.packed_mib),
-        )
         local_ids = request_block_ids(topology, args.tokens, seed=2)
         params = prefill.ready["kv_transfer_params"]
         result = read_and_check(sink, stack, topology, params, local_ids, seed=1, request_id="d-0")

@@ -12,6 +12,7 @@ import argparse
 import importlib
 import json
 import logging
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -121,6 +122,10 @@ def serve_config_from_args(args: argparse.Namespace) -> Any:
         grace=args.grace,
         parallel_start=args.parallel_start,
         proxy_timeouts=_timeouts(args),
+        router=args.router,
+        router_policy=args.router_policy,
+        router_metrics_port=args.router_metrics_port,
+        router_args=shlex.split(args.router_args or ""),
     )
     if args.log_dir is not None:
         kwargs["log_dir"] = args.log_dir
@@ -238,6 +243,26 @@ def add_serve_pd_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="write a JSON description (endpoint, pids, logs) here once ready",
     )
+    p.add_argument(
+        "--router",
+        choices=["kvshare", "vllm-router"],
+        default="kvshare",
+        help="what fronts the engines: our proxy (default, no dependency) or vllm-router's "
+        "PD mode (pip install 'kvshare-connector[router]')",
+    )
+    p.add_argument(
+        "--router-policy",
+        default="round_robin",
+        choices=["round_robin", "random", "power_of_two", "cache_aware", "consistent_hash"],
+        help="vllm-router's load-balancing policy for prefill and decode (default round_robin)",
+    )
+    p.add_argument(
+        "--router-metrics-port",
+        type=int,
+        default=None,
+        help="vllm-router's Prometheus port (default: a free one)",
+    )
+    p.add_argument("--router-args", default=None, help="more vllm-router arguments, one string")
     _add_timeouts(p)
     p.set_defaults(func=_run_serve_pd)
 

@@ -13,11 +13,14 @@ Conventions worth knowing:
 * ``ENABLE_KVCACHED=true`` implies ``VLLM_USE_V2_MODEL_RUNNER=0`` (kvcached 0.1.6 refuses
   vLLM 0.26's V2 model runner) unless that variable is set explicitly;
 * ``--server-cmd`` (or ``KVSHARE_SERVER_CMD``) replaces ``vllm serve {model} --host {host}
-  --port {port}``, e.g. with tests/support/fake_vllm_server.py; the vLLM options follow it.
+  --port {port}``, e.g. with tests/support/fake_vllm_server.py; the vLLM options follow it;
+* the front is our proxy (no dependency) or vllm-router (``router="vllm-router"``, the
+  optional ``router`` extra): it does the same NIXL-style two-step (see docs/pd_toolkit.md).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -33,6 +36,7 @@ from kvshare_connector.common.files import write_atomic
 from kvshare_connector.toolkit.procs import (
     LaunchError,
     ManagedProcess,
+    pick_free_port,
     stop_processes,
     wait_healthy,
 )
@@ -50,6 +54,9 @@ KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 SIDE_CHANNEL_STRIDE = 16
 SERVER_CMD_ENV = "KVSHARE_SERVER_CMD"
 DEFAULT_SERVER_CMD = "vllm serve {model} --host {host} --port {port}"
+#: What fronts a PD deployment: our proxy (toolkit/proxy.py) or vllm-router's PD mode.
+ROUTERS = ("kvshare", "vllm-router")
+ROUTER_POLICIES = ("round_robin", "random", "power_of_two", "cache_aware", "consistent_hash")
 
 
 @dataclass
@@ -81,12 +88,18 @@ class ServeConfig:
     )
     ready_timeout: float = 900.0
     grace: float = 20.0
-    parallel_start: bool | None = None  # None: parallel unless engines share a GPU
+    parallel_start: bool | None = None  # None: one engine per GPU at a time; False: one at all
     proxy_timeouts: ProxyTimeouts = field(default_factory=ProxyTimeouts)
+    router: str = "kvshare"  # one of ROUTERS
+    router_policy: str = "round_robin"  # vllm-router's --policy (prefill and decode)
+    router_metrics_port: int | None = None  # vllm-router's Prometheus port; None: a free one
+    router_args: list[str] = field(default_factory=list)  # more vllm-router arguments
 
     def __post_init__(self) -> None:
         if self.layout is not None and self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("need at least one prefill and one decode server")
         if not self.prefill_gpus or not self.decode_gpus:
@@ -227,9 +240,51 @@ def proxy_argv(cfg: ServeConfig, engines: Sequence[EngineSpec]) -> list[str]:
     return argv
 
 
-def _shares_gpu(engines: Sequence[EngineSpec]) -> bool:
-    gpus = [e.env["CUDA_VISIBLE_DEVICES"] for e in engines]
-    return len(set(gpus)) < len(gpus)
+def vllm_router_available() -> bool:
+    """vllm-router's Python launcher (and its Rust extension) is importable here."""
+    return importlib.util.find_spec("vllm_router") is not None
+
+
+def router_argv(cfg: ServeConfig, engines: Sequence[EngineSpec], metrics_port: int) -> list[str]:
+    """vllm-router in vLLM PD mode over these engines. It sends prefill a one-token,
+    unstreamed copy with ``kv_transfer_params.do_remote_decode`` and decode the original body
+    plus prefill's answered ``kv_transfer_params`` (its ``--kv-connector nixl``, the default):
+    the flow KVShareConnector speaks. Run as a module of this interpreter (its console script
+    may not be on PATH where the wheel was installed with ``--target``)."""
+    argv = [
+        sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation",
+        "--host", cfg.host, "--port", str(cfg.port), "--policy", cfg.router_policy,
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+        "--request-timeout-secs", str(max(1, int(cfg.proxy_timeouts.read))),
+        "--worker-startup-check-interval", "1", "--log-level", "warning",
+    ]  # fmt: skip
+    for e in engines:
+        if e.role == "prefill":
+            argv += ["--prefill", e.url]
+    for e in engines:
+        if e.role == "decode":
+            argv += ["--decode", e.url]
+    return argv + list(cfg.router_args)
+
+
+def start_waves(engines: Sequence[EngineSpec], parallel: bool | None) -> list[list[EngineSpec]]:
+    """Groups of engines started together: all at once (``True``), one by one (``False``),
+    or (``None``) at most one engine per GPU per group (vLLM's startup memory profiling
+    misreads memory another engine on its GPU is allocating): 1P2D on two GPUs, two waves."""
+    if parallel:
+        return [list(engines)]
+    if parallel is False:
+        return [[e] for e in engines]
+    waves: list[list[EngineSpec]] = []
+    seen: dict[str, int] = {}
+    for e in engines:
+        gpu = e.env.get("CUDA_VISIBLE_DEVICES", "")
+        k = seen.get(gpu, 0)
+        seen[gpu] = k + 1
+        if k == len(waves):
+            waves.append([])
+        waves[k].append(e)
+    return waves
 
 
 def _child_env(extra: dict[str, str]) -> dict[str, str]:
@@ -261,25 +316,32 @@ class Deployment:
         proc.start()
         return proc
 
+    def _spawn_front(self) -> ManagedProcess:
+        """Our proxy, or vllm-router (started once the engines answer: it waits for them)."""
+        if self.cfg.router == "kvshare":
+            return self._spawn("proxy", proxy_argv(self.cfg, self.engines), {})
+        if not vllm_router_available():
+            raise LaunchError(
+                "--router vllm-router: the vllm_router package is not installed here "
+                "(pip install 'kvshare-connector[router]', i.e. vllm-router==0.1.17)"
+            )
+        port = self.cfg.router_metrics_port or pick_free_port(client_host(self.cfg.host))
+        return self._spawn("router", router_argv(self.cfg, self.engines, port), {})
+
     def start(self) -> Deployment:
-        """Start engines (sequentially when they share a GPU), then the proxy; wait healthy."""
+        """Start engines (in waves, one per GPU at a time unless ``parallel_start``), then
+        the proxy or router; wait until each answers ``/health``."""
         cfg = self.cfg
-        parallel = cfg.parallel_start
-        if parallel is None:
-            parallel = not _shares_gpu(self.engines)
         t0 = time.monotonic()
         try:
-            started: list[tuple[EngineSpec, ManagedProcess]] = []
-            for spec in self.engines:
-                started.append((spec, self._spawn(spec.name, spec.argv, spec.env)))
-                if not parallel:
-                    wait_healthy(spec.url + "/health", started[-1][1], cfg.ready_timeout)
-            for spec, proc in started:
-                left = max(1.0, cfg.ready_timeout - (time.monotonic() - t0))
-                wait_healthy(spec.url + "/health", proc, left)
+            for wave in start_waves(self.engines, cfg.parallel_start):
+                started = [(spec, self._spawn(spec.name, spec.argv, spec.env)) for spec in wave]
+                for spec, proc in started:
+                    left = max(1.0, cfg.ready_timeout - (time.monotonic() - t0))
+                    wait_healthy(spec.url + "/health", proc, left)
             if self.with_proxy:
-                proxy = self._spawn("proxy", proxy_argv(cfg, self.engines), {})
-                wait_healthy(self.endpoint + "/health", proxy, min(cfg.ready_timeout, 60.0))
+                front = self._spawn_front()
+                wait_healthy(self.endpoint + "/health", front, min(cfg.ready_timeout, 60.0))
         except BaseException:
             self.stop()
             raise

@@ -15,6 +15,7 @@ import msgspec
 import numpy as np
 
 from kvshare_connector.layout.matching import EngineIdentity
+from kvshare_connector.layout.sharding import GroupHeads, Shard
 from kvshare_connector.layout.topology import (
     BlockGeometry,
     Dim,
@@ -26,8 +27,9 @@ from kvshare_connector.layout.topology import (
 )
 
 # 2: claims name their reader and block ids, the layout carries the engine identity,
-# notifications carry the reader's claim token.
-PROTOCOL_VERSION = 2
+# notifications carry the reader's claim token. 3: claims may ask for KV digests.
+# 4: layouts carry the TP shard, claims how many decode ranks read (tensor parallelism).
+PROTOCOL_VERSION = 4
 NOTIF_PREFIX = b"kvshare:v2:"
 NOTIF_DONE = b"done:"  # decode read the blocks: free them
 NOTIF_ABORT = b"abort:"  # decode gave up on the request: free them too
@@ -37,6 +39,7 @@ CLAIM_TOKEN_LEN = 32  # hex chars of a reader's claim token
 MAX_IDS_PER_MESSAGE = 256  # request ids in one claim or release
 MAX_BLOCK_IDS_PER_MESSAGE = 1 << 20  # block ids named by one claim, all groups
 MAX_ID_CHARS = 512  # one request or engine id
+MAX_TP = 64  # TP size / readers one message may state (tensor parallelism)
 
 
 class ProtocolError(ValueError):
@@ -101,6 +104,15 @@ class IdentityMsg(msgspec.Struct, forbid_unknown_fields=True):
     vllm_version: str | None = None
 
 
+class ShardMsg(msgspec.Struct, forbid_unknown_fields=True):
+    """A TP rank's part of the KV (``layout.sharding.Shard``): per group, the model's KV
+    heads and the ``[start, start + count)`` this rank holds."""
+
+    tp_size: int
+    tp_rank: int
+    heads: list[tuple[int, int, int]]  # (total, start, count) per group
+
+
 class LayoutMsg(msgspec.Struct, forbid_unknown_fields=True):
     groups: list[GroupMsg]
     owners: list[OwnerMsg]
@@ -110,6 +122,7 @@ class LayoutMsg(msgspec.Struct, forbid_unknown_fields=True):
     layout: str
     fingerprint: str  # of the logical layout and the identity: a tampered message fails
     identity: IdentityMsg | None = None
+    shard: ShardMsg | None = None  # None: TP 1 (an engine without tensor parallelism)
 
 
 def fingerprint(topology: KVTopology, identity: EngineIdentity | None) -> str:
@@ -126,7 +139,26 @@ def identity_from_msg(msg: LayoutMsg) -> EngineIdentity | None:
     return EngineIdentity(**msgspec.structs.asdict(msg.identity))
 
 
-def layout_to_msg(topology: KVTopology, identity: EngineIdentity | None = None) -> LayoutMsg:
+def shard_to_msg(shard: Shard) -> ShardMsg:
+    heads = [(g.total, g.start, g.count) for g in shard.groups]
+    return ShardMsg(shard.tp_size, shard.tp_rank, heads)
+
+
+def shard_from_msg(msg: LayoutMsg) -> Shard | None:
+    """The peer's shard (None: it did not say, i.e. TP 1), checked for range."""
+    s = msg.shard
+    if s is None:
+        return None
+    if not 0 <= s.tp_rank < s.tp_size <= MAX_TP or any(
+        c <= 0 or t <= 0 or st < 0 for t, st, c in s.heads
+    ):
+        raise ProtocolError(f"layout states an impossible TP shard: {s}")
+    return Shard(s.tp_size, s.tp_rank, tuple(GroupHeads(t, st, c) for t, st, c in s.heads))
+
+
+def layout_to_msg(
+    topology: KVTopology, identity: EngineIdentity | None = None, shard: Shard | None = None
+) -> LayoutMsg:
     return LayoutMsg(
         groups=[
             GroupMsg(g.index, _spec_struct(g.spec), list(g.layer_names)) for g in topology.groups
@@ -151,6 +183,7 @@ def layout_to_msg(topology: KVTopology, identity: EngineIdentity | None = None) 
         layout=topology.layout,
         fingerprint=fingerprint(topology, identity),
         identity=IdentityMsg(**identity.__dict__) if identity is not None else None,
+        shard=shard_to_msg(shard) if shard is not None else None,
     )
 
 
@@ -259,6 +292,10 @@ class Claim(msgspec.Struct, tag="claim", forbid_unknown_fields=True):
     token: str = ""  # the reader's claim token (random per read)
     block_ids: dict[str, list[list[int]]] = {}
     packed: bool = False  # the reader can take a packed request (``ClaimReply.packed``)
+    verify: bool = False  # the reader wants the requests' KV digests (``ClaimReply.digests``)
+    # TP: this many decode ranks, all with this claim token, read the requests from this
+    # prefill rank; the blocks are freed once each of them said done (or abort)
+    readers: int = 1
 
 
 class PackedRef(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -269,6 +306,14 @@ class PackedRef(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     device_id: int  # -1: host memory
 
 
+class KVDigests(msgspec.Struct, forbid_unknown_fields=True):
+    """Prefill's digests of a held request (``layout.verification``): per owner layer, one
+    little-endian uint64 per block of ``block_ids[group]`` (non-null ids, in this order)."""
+
+    block_ids: list[list[int]]
+    layers: dict[str, bytes]
+
+
 class ClaimReply(msgspec.Struct, tag="claimed", forbid_unknown_fields=True):
     held: list[str]  # held, lease extended: read now
     gone: list[str]  # read already, or lease expired: the blocks are free
@@ -276,6 +321,9 @@ class ClaimReply(msgspec.Struct, tag="claimed", forbid_unknown_fields=True):
     refused: dict[str, str] = {}
     # held requests prefill packed, for a claim that asked (``Claim.packed``)
     packed: dict[str, PackedRef] = {}
+    # held requests' KV digests, for a claim that asked (``Claim.verify``); a held request
+    # missing here was not digested (prefill runs without verify_kv)
+    digests: dict[str, KVDigests] = {}
     # any other id asked for: not held yet (the prefill scheduler has not handed it over)
 
 
@@ -431,10 +479,10 @@ def remote_prefill_params(params: Any) -> RemotePrefillParams:
         raise KVTransferParamsError(
             f"kv_transfer_params: remote_port {parsed.remote_port} out of range"
         )
-    if parsed.tp_size != 1:
+    if not 1 <= parsed.tp_size <= MAX_TP or parsed.remote_port + parsed.tp_size > 65536:
         raise KVTransferParamsError(
-            f"kv_transfer_params: tp_size {parsed.tp_size} (prefill with tensor parallelism is "
-            "not supported yet)"
+            f"kv_transfer_params: tp_size {parsed.tp_size} out of range [1, {MAX_TP}] (prefill "
+            f"rank r serves on remote_port + r)"
         )
     for group, ids in enumerate(parsed.remote_block_ids):
         if any(b < 0 for b in ids):

@@ -7,34 +7,37 @@ helper thread so a slow or dead prefill never blocks the engine loop.
 
 import secrets
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import Counter
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvshare_connector.common.log import get_logger
-from kvshare_connector.layout.descriptors import (
-    BlockIds,
-    PairedOwner,
-    TransferPlan,
-    transfer_descriptors,
-)
-from kvshare_connector.layout.matching import EngineIdentity, LayoutMismatch, pair_owners
+from kvshare_connector.layout.descriptors import BlockIds, transfer_descriptors
+from kvshare_connector.layout.matching import EngineIdentity, LayoutMismatch
 from kvshare_connector.layout.staging import PackedRead, packed_read_of
 from kvshare_connector.layout.topology import KVTopology
+from kvshare_connector.layout.verification import VerificationError, compare
 from kvshare_connector.transfer import protocol
 from kvshare_connector.transfer.alignment import align_block_ids
+from kvshare_connector.transfer.digests import Digester
 from kvshare_connector.transfer.nixl import NixlTransport, TransportError
 from kvshare_connector.transfer.packing import Packer
-from kvshare_connector.transfer.side_channel import SideChannelError, ask, warn_if_no_secret
+from kvshare_connector.transfer.peers import HandshakeError, Pairing, Peer, Peers
+from kvshare_connector.transfer.side_channel import SideChannelError, warn_if_no_secret
 
 logger = get_logger(__name__)
 
 SPIN_S = 0.002  # how long a poll watches READs it just posted (see ``KVSink.poll``)
 
 
-class HandshakeError(RuntimeError):
-    """The prefill side could not be reached, or answered something unusable."""
+class ReadFailed(TransportError):
+    """NIXL reported a READ failed (the peer died or its memory went away)."""
+
+
+class PeerDown(HandshakeError):
+    """Prefill did not answer a claim (dead, or unreachable)."""
 
 
 class ClaimRefused(HandshakeError):
@@ -51,15 +54,7 @@ class TransferRecord:
     blocks: int
     seconds: float  # posted -> bytes in place (the scatter included when packed)
     packed: bool = False  # moved as a few large runs through the staging areas
-
-
-@dataclass
-class Peer:
-    engine_id: str
-    agent: str
-    topology: KVTopology
-    owners: list[PairedOwner]
-    plan: TransferPlan  # the owners' address math, prepared once for every read
+    verified: int = 0  # layer-blocks whose digest matched prefill's (``verify_kv``)
 
 
 @dataclass
@@ -84,10 +79,18 @@ class _Read:
     packed_ref: protocol.PackedRef | None = None  # where prefill packed it, if it did
     slot: int | None = None  # our staging slot, while a packed read uses it
     plan: PackedRead | None = None  # packed: what to READ and then copy out of the slot
+    local_read: list[list[int]] | None = None  # local blocks paired with ``remote_ids``
+    digests: protocol.KVDigests | None = None  # prefill's, when verifying
+    verified: int = 0
+    readers: int = 1  # TP: decode ranks that read this request from this prefill rank
 
 
 class KVSink:
-    """Decode side: handshakes with prefill engines and reads requests' blocks from them."""
+    """Decode side: handshakes with prefill engines and reads requests' blocks from them.
+
+    With ``verify`` (``verify_kv``), a request counts as loaded only once decode's digests
+    of its blocks, taken after the READ, equal the ones prefill took when it held them.
+    """
 
     def __init__(
         self,
@@ -99,52 +102,32 @@ class KVSink:
         identity: EngineIdentity | None = None,
         secret: bytes | None = None,
         packer: Packer | None = None,
+        digester: Digester | None = None,
+        pairing: Pairing | None = None,
     ):
         self.engine_id = engine_id
         self.topology = topology
         self.transport = transport
         self.packer = packer  # set: read packed requests into a staging slot, then scatter
+        self.digester = digester  # set: verify every read against prefill's digests
         self._stuck: list[tuple[object, int]] = []  # (handle, slot) of READs we gave up on
         self.handshake_timeout_s = handshake_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
-        self.identity = identity
-        self.secret = secret
         warn_if_no_secret(secret)
-        self._warned_no_identity = False
         transport.register(topology.regions)
         if packer is not None:
             transport.register([packer.staging.region])
-        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvshare-handshake")
-        self._handshakes: dict[tuple[str, int], Future[protocol.HandshakeReply]] = {}
-        self._peers: dict[tuple[str, int], Peer] = {}
+        self.peers = Peers(
+            engine_id, topology, transport, handshake_timeout_s, identity, secret, pairing=pairing
+        )
         self._reads: dict[str, _Read] = {}
         self._done: set[str] = set()  # finished since the last poll
         self._failed: dict[str, str] = {}
         self._draining: dict[str, tuple[object, str]] = {}  # failed, NIXL not yet let go
         self.records: list[TransferRecord] = []
+        self.counters = Counter[str]()  # verify_failures, for stats
 
-    # -- handshakes --------------------------------------------------------------------
-
-    def _fetch(self, host: str, port: int, expect: str) -> protocol.HandshakeReply:
-        hello = protocol.Hello(protocol.PROTOCOL_VERSION, self.engine_id, expect)
-        try:
-            raw = ask(host, port, protocol.encode(hello), self.handshake_timeout_s, self.secret)
-        except SideChannelError as exc:
-            raise HandshakeError(str(exc)) from exc
-        try:
-            reply = protocol.decode(raw)
-        except protocol.ProtocolError as exc:
-            raise HandshakeError(f"prefill at {host}:{port} answered garbage: {exc}") from exc
-        if isinstance(reply, protocol.ErrorReply):
-            raise HandshakeError(f"prefill at {host}:{port} refused the handshake: {reply.message}")
-        if not isinstance(reply, protocol.HandshakeReply):
-            raise HandshakeError(f"prefill at {host}:{port} answered a {type(reply).__name__}")
-        if reply.protocol_version != protocol.PROTOCOL_VERSION:
-            raise HandshakeError(
-                f"prefill at {host}:{port} speaks protocol {reply.protocol_version}, this "
-                f"engine {protocol.PROTOCOL_VERSION}"
-            )
-        return reply
+    # -- claims --------------------------------------------------------------------------
 
     def _ask_claim(self, read: _Read) -> protocol.ClaimReply:
         p = read.params
@@ -157,17 +140,21 @@ class KVSink:
             token=read.token,
             block_ids={request_id: read.remote_ids or []},
             packed=self.packer is not None,
+            verify=self.digester is not None,
+            readers=read.readers,
         )
         try:
-            reply = protocol.decode(
-                ask(host, port, protocol.encode(claim), self.handshake_timeout_s, self.secret)
-            )
-        except (SideChannelError, protocol.ProtocolError) as exc:
-            raise HandshakeError(f"claiming {request_id} at {host}:{port}: {exc}") from exc
+            reply = self.peers.ask((host, port), claim)
+        except SideChannelError as exc:
+            raise PeerDown(f"claiming {request_id} at {host}:{port}: {exc}") from exc
+        except protocol.ProtocolError as exc:
+            raise ClaimRefused(
+                f"prefill at {host}:{port} answered a claim with garbage: {exc}"
+            ) from exc
         if isinstance(reply, protocol.ErrorReply):
             raise ClaimRefused(f"prefill at {host}:{port} refused the claim: {reply.message}")
         if not isinstance(reply, protocol.ClaimReply):
-            raise HandshakeError(f"prefill at {host}:{port} answered a claim with {reply}")
+            raise ClaimRefused(f"prefill at {host}:{port} answered a claim with {reply}")
         return reply
 
     def _claimed(self, read: _Read) -> bool:
@@ -182,79 +169,47 @@ class KVSink:
         p = read.params
         if read.claim is None:
             if time.monotonic() >= read.next_claim:
-                read.claim = self._executor.submit(self._ask_claim, read)
+                key = (p.remote_host, p.remote_port)
+                read.claim = self.peers.submit(key, self._ask_claim, read)
             return False
         if not read.claim.done():
             return False
-        reply, read.claim = read.claim.result(), None
-        if p.remote_request_id in reply.refused:
+        future, read.claim = read.claim, None
+        try:
+            reply = future.result()
+        except CancelledError:
+            raise HandshakeError(
+                f"prefill {p.remote_engine_id} was evicted before the claim of request "
+                f"{p.remote_request_id} could be asked"
+            ) from None
+        rid = p.remote_request_id
+        if rid in reply.refused:
             raise ClaimRefused(
-                f"prefill {p.remote_engine_id} refused the claim of request "
-                f"{p.remote_request_id}: {reply.refused[p.remote_request_id]}"
+                f"prefill {p.remote_engine_id} refused the claim of request {rid}: "
+                f"{reply.refused[rid]}"
             )
-        if p.remote_request_id in reply.held:
+        if rid in reply.held:
+            if self.digester is not None and rid not in reply.digests:
+                raise VerificationError(
+                    f"prefill {p.remote_engine_id} sent no KV digests for request {rid}: "
+                    "verify_kv must be on for prefill too"
+                )
             read.claimed = True
-            read.packed_ref = reply.packed.get(p.remote_request_id)
+            read.packed_ref = reply.packed.get(rid)
+            read.digests = reply.digests.get(rid)
             return True
-        if p.remote_request_id in reply.gone:
+        if rid in reply.gone:
             raise TransportError(
-                f"prefill {p.remote_engine_id} no longer holds request {p.remote_request_id}'s "
-                "blocks (read already, or its lease expired)"
+                f"prefill {p.remote_engine_id} no longer holds request {rid}'s blocks (read "
+                "already, or its lease expired)"
             )
         if time.monotonic() - read.created > self.handshake_timeout_s:
             raise HandshakeError(
-                f"prefill {p.remote_engine_id} never held request {p.remote_request_id} "
-                f"within {self.handshake_timeout_s:g} s"
+                f"prefill {p.remote_engine_id} never held request {rid} within "
+                f"{self.handshake_timeout_s:g} s"
             )
         read.next_claim = time.monotonic() + 0.01
         return False
-
-    def _peer(self, host: str, port: int, expect: str) -> Peer | None:
-        """The peer if its handshake finished (raises its error), else None (in flight)."""
-        key = (host, port)
-        peer = self._peers.get(key)
-        if peer is not None and peer.engine_id == expect:
-            return peer
-        future = self._handshakes.get(key)
-        if future is None:
-            self._handshakes[key] = self._executor.submit(self._fetch, host, port, expect)
-            return None
-        if not future.done():
-            return None
-        del self._handshakes[key]
-        reply = future.result()  # raises HandshakeError
-        try:
-            remote = protocol.layout_from_msg(reply.layout)
-        except protocol.ProtocolError as exc:
-            raise HandshakeError(
-                f"prefill at {host}:{port} sent an unusable layout: {exc}"
-            ) from exc
-        remote_identity = protocol.identity_from_msg(reply.layout)
-        if remote_identity is None and self.identity is not None and not self._warned_no_identity:
-            self._warned_no_identity = True
-            logger.warning(
-                "prefill at %s:%d does not say which model it runs: only its KV layout is checked",
-                host,
-                port,
-            )
-        # raises LayoutMismatch
-        owners = pair_owners(self.topology, remote, self.identity, remote_identity)
-        if peer is not None:
-            self.transport.remove_peer(peer.agent)
-        agent = self.transport.add_peer(reply.agent_metadata)
-        peer = Peer(reply.engine_id, agent, remote, owners, TransferPlan(owners))
-        self._peers[key] = peer
-        logger.info(
-            "handshake with %s at %s:%d: %d owners, %d sharers, layout %s -> %s",
-            peer.engine_id,
-            host,
-            port,
-            len(remote.owners),
-            len(remote.sharers),
-            remote.layout,
-            self.topology.layout,
-        )
-        return peer
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -265,18 +220,23 @@ class KVSink:
         local_ids: BlockIds,
         num_tokens: int | None = None,
         num_local_tokens: int = 0,
+        token: str | None = None,
+        readers: int = 1,
     ) -> None:
         """Queue a read of ``params.remote_block_ids`` into ``local_ids`` (per group).
 
         ``num_tokens`` (decode's prompt length) and ``num_local_tokens`` (cached locally)
         let the sink check the exact block counts (``alignment``); without them, the
-        counts must be equal.
+        counts must be equal. TP (``transfer.shards``): the decode ranks reading one
+        prefill rank share ``token`` and say how many ``readers`` they are.
         """
         if request_id in self._reads:
             raise ValueError(f"request {request_id} is already being read")
-        self._reads[request_id] = _Read(
+        read = _Read(
             request_id, params, [list(ids) for ids in local_ids], num_tokens, num_local_tokens
         )
+        read.token, read.readers = token or read.token, readers
+        self._reads[request_id] = read
 
     @property
     def in_flight(self) -> set[str]:
@@ -313,11 +273,13 @@ class KVSink:
                 state = self.transport.state(read.handle)
                 while state == "PROC" and time.monotonic() < deadline:
                     state = self.transport.state(read.handle)
-                if state == "DONE" and self._landed(read):
+                if state == "DONE":
+                    self._landed(read)
+                    self._verify(read)
                     self._finish(read)
                     self._done.add(read.request_id)
                 elif state == "ERR":
-                    raise TransportError(f"NIXL READ from {read.params.remote_engine_id} failed")
+                    raise ReadFailed(f"NIXL READ from {read.params.remote_engine_id} failed")
                 elif now - read.started > self.transfer_timeout_s:
                     raise TransportError(
                         f"NIXL READ from {read.params.remote_engine_id} did not finish in "
@@ -325,6 +287,7 @@ class KVSink:
                     )
             except Exception as exc:  # every failure ends this request only
                 reason = f"{type(exc).__name__}: {exc}"
+                self._note_failure(read, exc)
                 if self._abandon(read, exc):
                     self._failed[read.request_id] = reason
                 else:  # NIXL may still write into the request's blocks: not vLLM's yet
@@ -336,7 +299,7 @@ class KVSink:
     def _start(self, read: _Read) -> bool:
         """Start the READ once the peer is known; True if nothing had to move."""
         p = read.params
-        peer = self._peer(p.remote_host, p.remote_port, p.remote_engine_id)
+        peer = self.peers.get(p.remote_host, p.remote_port, p.remote_engine_id)
         if peer is None:
             return False
         if read.rows is None:
@@ -354,6 +317,7 @@ class KVSink:
                 p.remote_num_tokens,
             )
             read.blocks = sum(len(ids) for ids in local_ids)
+            read.local_read = local_ids
             # Before the claim: block ids out of range fail here, not at prefill.
             read.rows = transfer_descriptors(
                 peer.plan,
@@ -367,7 +331,7 @@ class KVSink:
         local_rows, remote_rows = read.rows
         local_kind, remote_kind = _kind(self.topology), _kind(peer.topology)
         read.nbytes = int(local_rows[:, 1].sum())
-        if read.packed_ref is not None and self.packer is not None:
+        if read.packed_ref is not None and self.packer is not None and not peer.sliced:
             packed = self._packed_rows(read, peer, local_rows, remote_rows)
             if packed is not None:
                 local_rows, remote_rows = packed
@@ -399,7 +363,7 @@ class KVSink:
         )
         return local, plan.rows(plan.read_remote, ref.addr, ref.device_id)
 
-    def _landed(self, read: _Read) -> bool:
+    def _landed(self, read: _Read) -> None:
         """After the READ: a packed request is scattered into its blocks (a few copy
         kernels, waited for here: reporting it one step later would cost a whole step)."""
         if read.plan is not None and self.packer is not None and read.slot is not None:
@@ -409,7 +373,38 @@ class KVSink:
             self.packer.scatter(s[:, 0], s[:, 2], read.slot + s[:, 1]).wait()
             self.packer.staging.release(read.slot)
             read.slot = None
-        return True
+
+    def _verify(self, read: _Read) -> None:
+        """``verify_kv``: decode's blocks, as vLLM will read them, against prefill's digests."""
+        if self.digester is None:
+            return
+        assert read.digests is not None and read.local_read is not None
+        local = self.digester.start(self.topology, read.local_read).result()
+        remote = {n: np.frombuffer(v, dtype="<u8") for n, v in read.digests.layers.items()}
+        compared, found = compare(
+            self.topology,
+            read.local_read,
+            read.remote_ids or [],
+            local,
+            read.digests.block_ids,
+            remote,
+        )
+        if found:
+            raise VerificationError(
+                f"request {read.request_id}: its KV differs from what prefill "
+                f"{read.params.remote_engine_id} computed: " + "; ".join(found)
+            )
+        read.verified = compared
+
+    def _note_failure(self, read: _Read, error: Exception) -> None:
+        """Count verification failures; evict a prefill that stopped answering or whose
+        READ failed (its other requests then fail at once instead of each timing out)."""
+        p = read.params
+        if isinstance(error, VerificationError):
+            self.counters["verify_failures"] += 1
+            logger.error("%s", error)
+        elif isinstance(error, ReadFailed | PeerDown):
+            self.peers.evict(p.remote_host, p.remote_port, error)
 
     def _finish(self, read: _Read) -> None:
         if read.handle is not None:
@@ -422,6 +417,7 @@ class KVSink:
                 read.blocks,
                 time.monotonic() - read.started,
                 read.plan is not None,
+                read.verified,
             )
         )
 
@@ -452,16 +448,17 @@ class KVSink:
         if read.handle is not None:
             released = self.transport.release(read.handle)
         p = read.params
-        peer = self._peers.get((p.remote_host, p.remote_port))
+        key = (p.remote_host, p.remote_port)
+        peer = self.peers.known(key, p.remote_engine_id)
         if isinstance(error, ClaimRefused):
             return released  # prefill decided: the blocks are another reader's (or not ours)
-        if peer is not None and peer.engine_id == p.remote_engine_id:
+        if peer is not None:
             token = read.token if read.rows is not None else ""
             note = protocol.notification(protocol.NOTIF_ABORT, p.remote_request_id, token)
             self.transport.notify(peer.agent, note)
         elif isinstance(error, LayoutMismatch):  # prefill answers, but is no NIXL peer
             reason = "KV layouts do not match: " + "; ".join(error.differences[:3])
-            self._executor.submit(self._ask_release, p, reason)
+            self.peers.submit(key, self._ask_release, p, reason)
         return released
 
     def _ask_release(self, p: protocol.RemotePrefillParams, reason: str) -> None:
@@ -470,14 +467,8 @@ class KVSink:
             protocol.PROTOCOL_VERSION, self.engine_id, [p.remote_request_id], reason
         )
         try:
-            ask(
-                p.remote_host,
-                p.remote_port,
-                protocol.encode(release),
-                self.handshake_timeout_s,
-                self.secret,
-            )
-        except SideChannelError as exc:
+            self.peers.ask((p.remote_host, p.remote_port), release)
+        except (SideChannelError, protocol.ProtocolError) as exc:
             logger.warning(
                 "could not ask prefill %s to free request %s: %s",
                 p.remote_engine_id,
@@ -486,7 +477,7 @@ class KVSink:
             )
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.peers.close()
         self.transport.close()
 
 

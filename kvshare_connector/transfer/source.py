@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from kvshare_connector.common.log import get_logger
 from kvshare_connector.layout.descriptors import request_descriptors
 from kvshare_connector.layout.matching import EngineIdentity
+from kvshare_connector.layout.sharding import Shard
 from kvshare_connector.layout.staging import PackedLayout
 from kvshare_connector.layout.topology import KVTopology
 from kvshare_connector.transfer import protocol
+from kvshare_connector.transfer.digests import Digester, PendingDigests
 from kvshare_connector.transfer.nixl import NixlTransport
 from kvshare_connector.transfer.packing import Copy, Packer
 from kvshare_connector.transfer.side_channel import SideChannelServer, warn_if_no_secret
@@ -54,6 +56,8 @@ class KVSource:
         identity: EngineIdentity | None = None,
         secret: bytes | None = None,
         packer: Packer | None = None,
+        digester: Digester | None = None,
+        shard: Shard | None = None,
     ):
         self.engine_id = engine_id
         self.topology = topology
@@ -64,6 +68,9 @@ class KVSource:
         # large runs (``layout.staging``); without room it is read block by block.
         self.packer = packer
         self._packed: dict[str, _Packed] = {}
+        # verify_kv: each held request digested once, on the device, for its reader to check
+        self.digester = digester
+        self._digests: dict[str, tuple[list[list[int]], PendingDigests]] = {}
         if packer is not None:
             transport.register([packer.staging.region])
         self._reply = protocol.encode(
@@ -72,7 +79,7 @@ class KVSource:
                 engine_id=engine_id,
                 agent_name=transport.name,
                 agent_metadata=transport.metadata(),
-                layout=protocol.layout_to_msg(topology, identity),
+                layout=protocol.layout_to_msg(topology, identity, shard),
             )
         )
         # The side channel thread (claims) and the engine thread (hold/poll) share these.
@@ -80,6 +87,8 @@ class KVSource:
         self._held: dict[str, float] = {}  # request id -> lease deadline
         self._blocks: dict[str, list[frozenset[int]]] = {}  # held block ids per group
         self._reader: dict[str, str] = {}  # request id -> claim token of its one reader
+        # TP: done/abort notifications still awaited from the reader's other ranks
+        self._readers_left: dict[str, int] = {}
         self._refused = Counter[str]()  # refused messages / claims the server did not count
         self._warned_unknown_blocks = False
         self._early: dict[str, float] = {}  # read before we were told to hold it
@@ -162,19 +171,22 @@ class KVSource:
                         self._refused["refused_claims"] += 1
                         logger.warning("claim of request %s refused: %s", request_id, reason)
                         continue
+                    if request_id not in self._reader:  # TP: several decode ranks read it
+                        self._readers_left[request_id] = min(max(claim.readers, 1), protocol.MAX_TP)
                     self._reader[request_id] = claim.token
                     self._held[request_id] = max(self._held[request_id], deadline)
                     held.append(request_id)
                 elif request_id in self._released or request_id in self._read_before_hold:
                     gone.append(request_id)
             packs = {r: self._packed[r] for r in held if claim.packed and r in self._packed}
+            digests = {r: self._digests[r] for r in held if claim.verify and r in self._digests}
         packed = {}
         for request_id, pack in packs.items():
             pack.copy.wait()  # the gather runs on a side stream: done before decode reads
             packed[request_id] = protocol.PackedRef(
                 self.packer.staging.addr + pack.slot, pack.nbytes, pack.device_id
             )
-        return protocol.ClaimReply(held, gone, refused, packed)
+        return protocol.ClaimReply(held, gone, refused, packed, _digest_msgs(digests))
 
     def _refusal(self, request_id: str, claim: protocol.Claim) -> str | None:
         """Why ``claim`` may not read held ``request_id``, or None. Caller holds the lock."""
@@ -237,6 +249,9 @@ class KVSource:
                 request_id,
             )
             return
+        if reader is not None and self._readers_left.get(request_id, 1) > 1:
+            self._readers_left[request_id] -= 1  # TP: another decode rank still reads it
+            return
         if self._held.pop(request_id, None) is not None:
             self._forget(request_id)
             self._read_before_hold.add(request_id)
@@ -245,7 +260,9 @@ class KVSource:
 
     def _forget(self, request_id: str) -> None:
         self._blocks.pop(request_id, None)
+        self._digests.pop(request_id, None)
         self._reader.pop(request_id, None)
+        self._readers_left.pop(request_id, None)
         pack = self._packed.pop(request_id, None)
         if pack is not None and self.packer is not None:
             self.packer.staging.release(pack.slot)  # later gathers queue behind this one
@@ -268,6 +285,9 @@ class KVSource:
                 self._blocks[request_id] = [frozenset(b for b in ids if b) for ids in block_ids]
                 if self.packer is not None:
                     self._pack(request_id, block_ids)
+                if self.digester is not None:
+                    real = [[int(b) for b in ids if b] for ids in block_ids]
+                    self._digests[request_id] = (real, self.digester.start(self.topology, real))
 
     def _pack(self, request_id: str, block_ids: Sequence[Sequence[int]]) -> None:
         """Gather the request into a staging slot (no room: it is read block by block).
@@ -327,6 +347,17 @@ class KVSource:
     def close(self) -> None:
         self.server.close()
         self.transport.close()
+
+
+def _digest_msgs(
+    digests: dict[str, tuple[list[list[int]], PendingDigests]],
+) -> dict[str, protocol.KVDigests]:
+    """Digests as sent (waits for the device work, done long before a claim comes)."""
+    out = {}
+    for request_id, (block_ids, pending) in digests.items():
+        layers = {name: v.astype("<u8").tobytes() for name, v in pending.result().items()}
+        out[request_id] = protocol.KVDigests(block_ids, layers)
+    return out
 
 
 def _over_caps(message: protocol.SideMessage) -> str | None:

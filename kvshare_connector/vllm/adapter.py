@@ -1,8 +1,9 @@
-"""Thin translation from vLLM 0.26's objects to the plain inputs of ``topology``.
+"""Thin translation from vLLM's objects (0.26 .. 0.33) to the plain inputs of ``topology``.
 
 Everything vLLM-specific about KV memory lives here: reading KV cache specs and groups,
-the sharing map, dim labels of a backend's KV shape, and the per-layer views inside the
-cross-layer blocks tensor. The rest of the package never looks at vLLM classes.
+the sharing map, dim labels of a backend's KV shape (or vLLM's own ``[B, H, N, C]`` views
+from 0.29, see ``compat``), and the per-layer views inside 0.26's cross-layer blocks
+tensor. The rest of the package never looks at vLLM classes.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvshare_connector.layout.topology import (
     TopologyError,
     build_topology,
 )
+from kvshare_connector.vllm import compat
 
 _SPEC_KINDS = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding"}
 
@@ -72,8 +74,12 @@ def dim_labels(backend: Any, spec: LayerSpec, block_size: int) -> tuple[str, ...
     Only positions matter, so any block size the backend accepts will do.
 
     Backends differ in where they put blocks, heads, tokens and K/V; asking the backend
-    beats a table of backends that goes stale with every vLLM release.
+    beats a table of backends that goes stale with every vLLM release. From vLLM 0.29 the
+    views are vLLM's own and their dims are fixed.
     """
+    fixed = compat.layer_view_labels(backend)
+    if fixed is not None:
+        return fixed
 
     def shape(blocks: int, tokens: int, heads: int, head_size: int) -> tuple[int, ...]:
         return tuple(backend.get_kv_cache_shape(blocks, tokens, heads, head_size))
@@ -173,7 +179,7 @@ def cross_layer_views(
         )
     views = {}
     for index, tensor in enumerate(tensors):
-        for name in tensor.shared_by:
+        for name in compat.kv_cache_tensor_layers(tensor):
             views[name] = logical[index]
     return views, f"cross_layer{order}"
 

@@ -28,6 +28,7 @@ from kvshare_connector.transfer.protocol import (
     prompt_mismatch,
     remote_prefill_params,
 )
+from kvshare_connector.vllm import compat
 from kvshare_connector.vllm.metadata import KVShareMetadata
 from kvshare_connector.vllm.stats import KVShareStats
 
@@ -152,17 +153,21 @@ class KVShareScheduler:
     def failed_loads(self, failures: dict[str, str]) -> None:
         """The worker could not load these requests: recompute their prompts locally.
 
-        vLLM 0.26's invalid-block path unpacks a single KV cache group, so under HMA the
-        connector resets what was counted as computed itself, the same way that path does.
+        vLLM >= 0.30 learns of them through ``failed_recving`` and its
+        ``kv_load_failure_policy`` decides (recompute, or fail the request) for any number
+        of KV cache groups. vLLM 0.26's invalid-block path unpacks a single KV cache group,
+        so under HMA the connector resets what was counted as computed itself, the same
+        way that path does.
         """
-        # One group: the worker reported the blocks and vLLM's kv_load_failure_policy
-        # decides (recompute or fail the request); several: recompute.
-        then = "recomputed locally" if self.num_groups > 1 else "kv_load_failure_policy applies"
+        own_reset = self.num_groups > 1 and not compat.HAS_FAILED_RECVING
+        then = "recomputed locally" if own_reset else "kv_load_failure_policy applies"
         for request_id, reason in failures.items():
             logger.error("request %s: KV load failed (%s); %s", request_id, reason, then)
-            self.load_errors[request_id] = f"KV load failed: {reason}; {then}"
             loading = self._loading.pop(request_id, None)
-            if loading is not None and self.num_groups > 1:
+            if loading is None and compat.HAS_FAILED_RECVING:
+                continue  # vLLM's "fail" policy finished it already, in this same step
+            self.load_errors[request_id] = f"KV load failed: {reason}; {then}"
+            if loading is not None and own_reset:
                 loading.request.num_computed_tokens = loading.local_tokens
 
     def finished_loads(self, request_ids: set[str]) -> None:

@@ -12,6 +12,7 @@ _SERIES = ("bytes", "blocks", "descriptors", "seconds")
 # refused_*: prefill's side channel refused a message (unauthenticated, garbage, oversize,
 # rate-limited, replayed) or a claim (a second reader, blocks not held for the request).
 # packed_reads / direct_reads: how decode's reads moved (few large runs, or block by block).
+# verified_loads / verify_failures: verify_kv's digests matched prefill's, or did not.
 COUNTERS = (
     "failed_loads",
     "expired_leases",
@@ -20,6 +21,8 @@ COUNTERS = (
     "refused_claims",
     "packed_reads",
     "direct_reads",
+    "verified_loads",
+    "verify_failures",
 )
 
 

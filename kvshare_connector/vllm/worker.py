@@ -1,8 +1,9 @@
 """Worker side of the connector: registration, the backend each step, completions and stats.
 
 Registration builds the topology from what vLLM hands over (the per-layer dict with
-sharers aliased, or the cross-layer blocks tensor) and hands the owners' memory to the
-backend. Every step, ``start_load_kv`` passes the scheduler's orders to the backend and
+sharers aliased, or 0.26's cross-layer blocks tensor) and hands the owners' memory to the
+backend; sleep mode (vLLM 0.33) takes it back from the backend and hands it over again.
+Every step, ``start_load_kv`` passes the scheduler's orders to the backend and
 ``get_finished`` advances them; failures end one request, never the engine.
 """
 
@@ -14,11 +15,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvshare_connector.backends.base import Backend, WorkerContext
+from kvshare_connector.backends.base import Backend, WorkerContext, WorkerProgress
 from kvshare_connector.common.log import get_logger
 from kvshare_connector.layout import kvcached
 from kvshare_connector.layout.topology import KVTopology
 from kvshare_connector.vllm import adapter as vllm_adapter
+from kvshare_connector.vllm import compat
 from kvshare_connector.vllm.metadata import KVShareMetadata, KVShareWorkerMeta
 from kvshare_connector.vllm.stats import KVShareStats
 
@@ -43,6 +45,7 @@ class KVShareWorker:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.context = context
+        self._backend_factory = backend
         self.backend = backend.worker_side(context)
         self.read_log = read_log  # path: one JSON line per finished read (decode)
         self.topology: KVTopology | None = None
@@ -50,6 +53,10 @@ class KVShareWorker:
         self._failed: dict[str, str] = {}
         self._invalid_blocks: set[int] = set()
         self._local_ids: dict[str, Any] = {}
+        self._tensors: Any = None  # what was registered, to register again after sleep
+        self._asleep = False
+        self._held: set[str] = set()  # prefill: requests whose blocks decode may still read
+        self._dropped: set[str] = set()  # held when the engine slept: their KV is gone
 
     # -- registration ----------------------------------------------------------------------
 
@@ -62,7 +69,7 @@ class KVShareWorker:
             for name in kv_caches
             if name not in sharing and name in context
         }
-        layout = kvcached.layout_name(kv_caches.values())
+        layout = kvcached.layout_name(kv_caches.values(), compat.layout_name(self.vllm_config))
         topology = vllm_adapter.topology_from_kv_caches(
             self.kv_cache_config, kv_caches, backends, sharing, layout
         )
@@ -82,6 +89,7 @@ class KVShareWorker:
 
     def _start(self, topology: KVTopology, handed: int, started: float, tensors: Any) -> None:
         self.topology = topology
+        self._tensors = tensors
         what = self.backend.start(topology, tensors)
         logger.info(
             "KVShareConnector %s (%s, %s layout, backend %s): %s in %.2f s from %d tensor(s) "
@@ -102,12 +110,19 @@ class KVShareWorker:
     # -- every step ------------------------------------------------------------------------
 
     def start_load_kv(self, metadata: KVShareMetadata) -> None:
+        if self._asleep:  # nothing registered: loads fail, holds are given back
+            for order in metadata.to_load:
+                if any(order.local_block_ids):
+                    self._fail(order.request_id, "the engine is asleep (sleep mode)")
+            self._dropped.update(metadata.to_hold)
+            return
         for order in metadata.to_load:
             if any(order.local_block_ids):
                 self._local_ids[order.request_id] = order.local_block_ids
         for request_id, reason in self.backend.start_loads(metadata.to_load).items():
             self._fail(request_id, reason)
         if metadata.to_hold:
+            self._held.update(metadata.to_hold)
             self.backend.hold(metadata.to_hold)
 
     def wait_for_save(self, metadata: KVShareMetadata) -> None:
@@ -116,7 +131,7 @@ class KVShareWorker:
             self.stats.count("sent", self.backend.save(metadata.to_store))
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
-        progress = self.backend.poll()
+        progress = WorkerProgress() if self._asleep else self.backend.poll()
         self.stats.count("sent", len(progress.sent))
         self.stats.count("expired_leases", len(progress.expired))
         for counter, n in progress.counters.items():
@@ -127,20 +142,63 @@ class KVShareWorker:
             self.stats.record_read(record.bytes, record.blocks, record.descriptors, record.seconds)
             if record.bytes:
                 self.stats.count("packed_reads" if record.packed else "direct_reads")
+            if record.verified:
+                self.stats.count("verified_loads")
         if self.read_log and progress.records:
             _append_read_log(self.read_log, progress.records)
         recving = progress.loaded | set(self._failed)  # vLLM needs failed loads as finished
         for request_id in recving:
             self._local_ids.pop(request_id, None)
-        sending = progress.sent | progress.expired
+        sending = progress.sent | progress.expired | self._dropped
+        self._held -= sending
+        self._dropped = set()
         return sending or None, recving or None
+
+    def transfer_results(self) -> Any:
+        """vLLM >= 0.30: the same completions, failed loads also named as failed."""
+        sending, recving = self.get_finished()
+        return compat.transfer_results(sending, recving, set(self._failed))
+
+    # -- sleep mode (vLLM >= 0.33) ---------------------------------------------------------
+
+    def unregister(self) -> None:
+        """The KV memory is about to be released: nothing may stay registered with it.
+
+        The backend goes whole (NIXL deregisters the memory with its agent, prefill's side
+        channel closes): a peer that reads meanwhile fails that read and computes locally.
+        Requests held for decode and loads under way lose their KV with the memory.
+        """
+        if self._asleep or self.topology is None:
+            return
+        for request_id in self.backend.in_flight():
+            self._fail(request_id, "the engine went to sleep during the load")
+        self._dropped |= self._held
+        self.backend.close()
+        self._asleep = True
+        logger.info(
+            "KVShareConnector %s: KV memory unregistered for sleep (%d held request(s) dropped)",
+            self.context.engine_id,
+            len(self._held),
+        )
+
+    def restore(self) -> None:
+        """The KV memory is mapped again at the same addresses: register it again."""
+        if not self._asleep or self.topology is None:
+            return
+        self.backend = self._backend_factory.worker_side(self.context)
+        self._asleep = False
+        self._start(self.topology, 0, time.perf_counter(), self._tensors)
 
     def _fail(self, request_id: str, reason: str) -> None:
         logger.error("request %s: KV load failed: %s", request_id, reason)
         self._failed[request_id] = reason
         self.stats.count("failed_loads")
         local = self._local_ids.get(request_id)
-        if local is not None and len(self.kv_cache_config.kv_cache_groups) == 1:
+        if (
+            local is not None
+            and not compat.HAS_FAILED_RECVING
+            and len(self.kv_cache_config.kv_cache_groups) == 1
+        ):
             # Single group: vLLM's own invalid-block path (honours kv_load_failure_policy).
             self._invalid_blocks.update(local[0])
 
@@ -161,7 +219,8 @@ class KVShareWorker:
         return stats
 
     def shutdown(self) -> None:
-        self.backend.close()
+        if not self._asleep:
+            self.backend.close()
 
 
 def _short_map(sharers: dict[str, str], limit: int = 3) -> str:

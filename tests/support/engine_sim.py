@@ -1,4 +1,4 @@
-"""Drive KVShareConnector the way vLLM 0.26's engine core and model runner do, on CPU.
+"""Drive KVShareConnector the way vLLM's engine core and model runner do, on CPU (0.26, 0.33).
 
 Real: vLLM's ``Scheduler`` (block pool, HMA groups, connector hooks, request states), the
 connector created by vLLM's factory in both roles, vLLM-made KV tensors (``cpu_stack``)
@@ -20,6 +20,7 @@ from typing import Any
 
 from kvshare_connector.devtools import kvcheck
 from kvshare_connector.devtools.demo import blocks_per_group
+from kvshare_connector.vllm import compat
 
 READY = "ENGINE_READY "
 RESULT = "ENGINE_RESULT "
@@ -33,8 +34,12 @@ def build_engine(
     extra: dict[str, Any] | None = None,
     connector: str = "KVShareConnector",
     module_path: str | None = None,
+    failure_policy: str = "fail",
 ):
-    """vLLM scheduler + worker-side connector over a CPU KV stack, as an engine would own."""
+    """vLLM scheduler + worker-side connector over a CPU KV stack, as an engine would own.
+
+    ``failure_policy``: vLLM's ``kv_load_failure_policy`` (its default, ``fail``; from 0.30
+    it decides what a failed load does, under any number of KV cache groups)."""
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -51,6 +56,7 @@ def build_engine(
         kv_connector_module_path=module_path,
         kv_role=role,
         kv_connector_extra_config=extra or {},
+        kv_load_failure_policy=failure_policy,
     )
     stack = build_cpu_stack(
         model, layout, kv_bytes=32 << 20, max_model_len=1024, kv_transfer_config=transfer_config
@@ -151,7 +157,14 @@ class Engine:
             else:
                 sampled[req_id] = []
         self.worker.wait_for_save()  # after the forward, as the model runner does
-        sending, recving = self.worker.get_finished(out.finished_req_ids)
+        failed: set[str] = set()
+        if compat.HAS_FAILED_RECVING:  # vLLM >= 0.30's runner asks for one snapshot
+            results = self.worker.get_transfer_results(out.finished_req_ids)
+            sending = results.finished_sending or None
+            recving = results.finished_recving or None
+            failed = results.failed_recving
+        else:
+            sending, recving = self.worker.get_finished(out.finished_req_ids)
         stats = self.worker.get_kv_connector_stats()
         if stats is not None:
             self.stats.append(stats.reduce())
@@ -160,6 +173,7 @@ class Engine:
             finished_recving=recving,
             kv_connector_worker_meta=self.worker.build_connector_worker_meta(),
             invalid_block_ids=self.worker.get_block_ids_with_load_errors(),
+            **({"failed_recving": failed} if compat.HAS_FAILED_RECVING else {}),
         )
         self.worker.clear_connector_metadata()
         req_ids = list(sampled)

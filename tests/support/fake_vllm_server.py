@@ -281,6 +281,22 @@ def create_fake_app(state: FakeState) -> FastAPI:
     async def stats() -> dict[str, Any]:
         return {"role": state.role, "hits": dict(state.hits), "engine_id": state.engine_id}
 
+    @app.get("/metrics")
+    async def prom_metrics() -> PlainTextResponse:
+        """A few of vLLM's series (and the connector's) in Prometheus text, from the hits."""
+        served = state.hits["completions"] + state.hits["chat"]
+        lab = f'engine="0",model_name="{state.model}"'
+        lines = [
+            f'vllm:request_success_total{{{lab},finished_reason="length"}} {served}',
+            f"vllm:kv_cache_usage_perc{{{lab}}} 0.0",
+            f"vllm:num_requests_running{{{lab}}} 0.0",
+        ]
+        if state.role == "decode":
+            lines.append(f"vllm:kvshare_read_seconds_count{{{lab}}} {served}")
+        elif state.role == "prefill":
+            lines.append(f"vllm:kvshare_sent_total{{{lab}}} {served}")
+        return PlainTextResponse("\n".join(lines) + "\n")
+
     @app.get("/debug/launch")
     async def launch() -> dict[str, Any]:
         return state.launch
@@ -334,7 +350,9 @@ def create_fake_app(state: FakeState) -> FastAPI:
                     "remote_num_tokens": len(_TOKEN.findall(prompt_of(body, chat))),
                 }
                 state.issued[rid] = {"kv_transfer_params": kv_out, "digest": digest(body, chat)}
-            elif state.role == "decode":
+            elif state.role == "decode" and not (
+                "kv_transfer_params" not in body and os.environ.get("FAKE_DECODE_LOCAL") == "1"
+            ):  # FAKE_DECODE_LOCAL=1: a request without params is computed locally, as vLLM does
                 await _check_decode(state, body, chat, request_id)
         except PDViolation as exc:
             return JSONResponse(

@@ -13,9 +13,11 @@ the wrong blocks and the comparison must report them.
         "kv_connector_extra_config": {"kv_probe": {"out": "decode.jsonl", "scramble": false}}}'
 
 A decode request whose kv_transfer_params carry ``"kvshare_probe_scramble": true`` is
-scrambled too. Digests cover the request's token slots only (LMCache moves tokens, not the
-stale tail of a last block), in one dim order (block, token, head, kv, dim, content), so
-two engines with different physical layouts compare.
+scrambled too. ``"kvshare_probe_tamper": true`` (a negative control of ``verify_kv``)
+overwrites 64 bytes of the request's first block after the READ landed and before the
+connector verifies it: the load must fail. Digests cover the request's token slots only
+(LMCache moves tokens, not the stale tail of a last block), in one dim order (block, token,
+head, kv, dim, content), so two engines with different physical layouts compare.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from kvshare_connector.layout.topology import BLOCK, CONTENT, DIM, HEAD, KV, TOK
 from kvshare_connector.vllm.metadata import KVShareMetadata
 
 SCRAMBLE = "kvshare_probe_scramble"
+TAMPER = "kvshare_probe_tamper"
 NULL_BLOCK = 0
 CANONICAL = (BLOCK, TOKEN, HEAD, KV, DIM, CONTENT)
 
@@ -260,6 +263,7 @@ class KVProbeConnector(KVShareConnector):
         self._pending_prefill: dict[str, dict[str, Any]] = {}  # scheduler: held requests
         self._views: dict[str, Any] = {}  # worker: owner (and alias) views as handed over
         self._loads: dict[str, dict[str, Any]] = {}  # worker: loads in flight
+        self._tamper: set[str] = set()  # worker: loads to overwrite before verification
 
     # -- scheduler side ---------------------------------------------------------------------
 
@@ -270,6 +274,7 @@ class KVProbeConnector(KVShareConnector):
                 "remote_request_id": params.get("remote_request_id"),
                 "num_tokens": len(request.prompt_token_ids or ()),
                 "scramble": self._scramble_all or bool(params.get(SCRAMBLE)),
+                "tamper": bool(params.get(TAMPER)),
             }
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
@@ -334,6 +339,9 @@ class KVProbeConnector(KVShareConnector):
                 if info is not None:
                     ids = [list(g) for g in order.local_block_ids]
                     self._loads[order.request_id] = {**info, "groups": ids}
+                    if info.get("tamper"):
+                        self._tamper.add(order.request_id)
+                        self._install_tamper()
                     if info["scramble"]:
                         order = dataclasses.replace(
                             order, local_block_ids=scrambled(order.local_block_ids)
@@ -341,6 +349,23 @@ class KVProbeConnector(KVShareConnector):
                 orders.append(order)
             meta.to_load = orders
         super().start_load_kv(forward_context, **kwargs)
+
+    def _install_tamper(self) -> None:
+        """Wrap the sink's verification once: tampered loads get a block overwritten."""
+        sink = getattr(getattr(self.worker, "backend", None), "sink", None)
+        sink = getattr(sink, "sink", sink)  # the KVSink inside a ShardedSink
+        if sink is None or getattr(sink, "probe_tamper", False):
+            return
+        verify = sink._verify
+
+        def tampered(read: Any) -> None:
+            if read.request_id in self._tamper:
+                self._tamper.discard(read.request_id)
+                _overwrite_first_block(sink, read)
+            verify(read)
+
+        sink._verify = tampered
+        sink.probe_tamper = True
 
     def wait_for_save(self) -> None:
         """LMCache backend: prefill holds nothing for decode; digest the blocks the store
@@ -354,6 +379,17 @@ class KVProbeConnector(KVShareConnector):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving = super().get_finished(finished_req_ids)
+        self._record_loads(recving)
+        return sending, recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM >= 0.30 asks for completions here instead of ``get_finished``."""
+        results = super().get_transfer_results(finished_req_ids)
+        self._record_loads(results.finished_recving)
+        return results
+
+    def _record_loads(self, recving: set[str] | None) -> None:
+        """Digest every finished load (or note its failure) before vLLM runs on it."""
         if self._out and self.worker is not None and recving:
             failed = dict(self.worker._failed)  # kept until worker_meta() of this step
             for request_id in recving & self._loads.keys():
@@ -365,6 +401,7 @@ class KVProbeConnector(KVShareConnector):
                             "request_id": request_id,
                             "remote_request_id": info["remote_request_id"],
                             "scrambled": info["scramble"],
+                            "tampered": info.get("tamper", False),
                             "failed": failed[request_id],
                         }
                     )
@@ -377,7 +414,6 @@ class KVProbeConnector(KVShareConnector):
                     at="loaded",
                     scrambled=info["scramble"],
                 )
-        return sending, recving
 
     def _write(
         self, side: str, request_id: str, remote_id: str, info: Mapping[str, Any], **fields: Any
@@ -432,6 +468,18 @@ class KVProbeConnector(KVShareConnector):
         assert self._out is not None
         with open(self._out, "a") as out:
             out.write(json.dumps(record) + "\n")
+
+
+def _overwrite_first_block(sink: Any, read: Any) -> None:
+    """64 bytes of the first owner layer's first loaded block, on its device."""
+    topology = sink.topology
+    owner = topology.owners[sorted(topology.owners)[0]]
+    block = read.local_read[owner.group][0]
+    g = owner.geometry
+    addr = g.base + block * g.block_stride + g.segment_offsets[0]
+    memory = (sink.digester or sink.packer).memory
+    span = memory.span_of(addr, 64)
+    span.flat[addr - span.start : addr - span.start + 64].fill_(0x77)
 
 
 def _is_tensor(value: Any) -> bool:

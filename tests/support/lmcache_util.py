@@ -73,7 +73,9 @@ def _build(model: str, layout: str, kv_mib: int) -> tuple[Any, KVTopology, Any]:
     from kvshare_connector.devtools.cpu_stack import build_cpu_stack, topology_of
 
     stack = build_cpu_stack(model, layout, kv_bytes=kv_mib << 20, max_model_len=1024)
-    tensors = stack.cross_layer_tensor if layout == "cross_layer" else stack.kv_caches
+    # vLLM 0.33's block-major "cross_layer" is per-layer views again, not one tensor.
+    cross = stack.cross_layer_tensor
+    tensors = cross if cross is not None else stack.kv_caches
     return stack, topology_of(stack), tensors
 
 

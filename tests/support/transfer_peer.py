@@ -15,9 +15,12 @@ JSON line each::
         "layout": "per_layer", "requests": 4, "tokens": 300, "lease_s": 300}]'
 
 Source keys: name, model, layout, requests (1), tokens (300), lease_s (300), kv_mib (64),
-max_model_len (2048), seed (100), fill ("pattern": ``kvcheck.fill`` per request, or
-"bytes": every registered byte set to 0x5A, fast enough for big caches), identity (the
-``EngineIdentity`` fields the source states, default none).
+max_model_len (2048), seed (100), port (0: any free one), fill ("pattern": ``kvcheck.fill``
+per request, or "bytes": every registered byte set to 0x5A, fast enough for big caches),
+identity (the ``EngineIdentity`` fields the source states, default none), packed_mib (0),
+verify (false: digest held requests for ``verify_kv`` readers), corrupt (request indices
+whose first owner block, or first packed bytes, are overwritten after it was held and
+digested: the KV changed under prefill).
 """
 
 from __future__ import annotations
@@ -49,12 +52,21 @@ def disjoint_requests(topology: Any, tokens: int, count: int, seed: int) -> list
     return requests_block_ids(topology, tokens, count, seed)
 
 
+def overwrite_first_block(topology: Any, block_ids: list[list[int]]) -> None:
+    """64 bytes of the first owner layer's first block of the request, set to 0x77."""
+    name = sorted(topology.owners)[0]
+    owner = topology.owners[name]
+    block = next(b for b in block_ids[owner.group] if b)
+    g = owner.geometry
+    ctypes.memset(g.base + block * g.block_stride + g.segment_offsets[0], 0x77, 64)
+
+
 class Served:
     """One source and the requests it holds."""
 
     def __init__(self, spec: dict[str, Any]):
         from kvshare_connector.devtools import kvcheck
-        from kvshare_connector.devtools.demo import build, cpu_packer
+        from kvshare_connector.devtools.demo import build, cpu_digester, cpu_packer
         from kvshare_connector.layout.matching import EngineIdentity
         from kvshare_connector.transfer.nixl import NixlTransport
         from kvshare_connector.transfer.protocol import kv_transfer_params
@@ -85,16 +97,24 @@ class Served:
             topology,
             NixlTransport(engine_id),
             "127.0.0.1",
-            0,
+            spec.get("port", 0),
             lease_s=lease_s,
             identity=identity,
             packer=packer,
+            digester=cpu_digester(self.stack) if spec.get("verify") else None,
         )
         self.started = time.monotonic()
         described = []
         for index, ids in enumerate(requests):
             request_id = f"{self.name}-req-{index}"
             self.source.hold(request_id, block_ids=ids)  # claims may name only these
+            if index in spec.get("corrupt", []):
+                packed = self.source._packed.get(request_id)
+                if packed is None:
+                    overwrite_first_block(topology, ids)
+                else:  # what decode reads is the packed copy: change that
+                    packed.copy.wait()
+                    ctypes.memset(self.source.packer.staging.addr + packed.slot, 0x77, 64)
             params = kv_transfer_params(
                 remote_block_ids=ids,
                 remote_engine_id=engine_id,
@@ -236,8 +256,9 @@ class PeerProcess:
                     )
                 self._changed.wait(min(left, 0.1))
 
-    def source(self, name: str, timeout_s: float = 120.0) -> dict[str, Any]:
-        """The READY description of source ``name`` (waits for it)."""
+    def source(self, name: str, timeout_s: float = 300.0) -> dict[str, Any]:
+        """The READY description of source ``name`` (waits for it: a peer building many
+        vLLM stacks on a loaded 2-core box can take minutes)."""
         return self._wait(lambda: self.ready.get(name), timeout_s, f"source {name} ready")
 
     def request(self, name: str, index: int) -> dict[str, Any]:

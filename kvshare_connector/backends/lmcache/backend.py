@@ -29,6 +29,7 @@ from kvshare_connector.backends.base import (
     WorkerBackend,
     WorkerContext,
     WorkerProgress,
+    flag_option,
 )
 from kvshare_connector.backends.lmcache.config import (
     BACKEND_NAME,
@@ -206,6 +207,12 @@ class LMCacheBackend(Backend):
     def __init__(self, extra_config: Mapping[str, Any]):
         super().__init__(extra_config)
         self.config = LMCacheBackendConfig.from_extra_config(extra_config)
+        if flag_option(extra_config, "verify_kv"):
+            # Not silently off: a user who asked for verified loads must not get unverified.
+            raise ValueError(
+                "verify_kv is a feature of the nixl backend; the lmcache backend cannot "
+                "verify loads (turn verify_kv off or use backend nixl)"
+            )
 
     def scheduler_side(self, context: SchedulerContext) -> LMCacheScheduler:
         return LMCacheScheduler(context, self.name)

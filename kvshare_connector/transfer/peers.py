@@ -1,0 +1,230 @@
+"""Decode's prefill peers: handshakes, side-channel asks per peer, eviction and memory.
+
+Each prefill endpoint gets its own worker thread for side-channel asks (handshake, claims,
+releases), so a dead or slow prefill, whose asks each wait out the timeout, delays only its
+own requests. A peer that fails (unreachable, a failed READ) is evicted: its NIXL peer is
+removed, its queued asks are cancelled, and for ``retry_s`` requests for it fail at once
+with the reason instead of waiting; after that it is handshaken again (a restarted
+prefill rejoins). A peer whose layout does not match is remembered for ``retry_s`` too,
+not handshaken again per request.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from kvshare_connector.common.log import get_logger
+from kvshare_connector.layout.descriptors import PairedOwner, TransferPlan
+from kvshare_connector.layout.matching import EngineIdentity, LayoutMismatch, pair_owners
+from kvshare_connector.layout.sharding import is_sliced
+from kvshare_connector.layout.topology import KVTopology
+from kvshare_connector.transfer import protocol
+from kvshare_connector.transfer.nixl import NixlTransport
+from kvshare_connector.transfer.side_channel import SideChannelError, ask
+
+logger = get_logger(__name__)
+
+RETRY_S = 5.0  # how long a failed or mismatched peer is not asked again
+ASKS_PER_PEER = 2  # side-channel asks in flight to one prefill at once
+T = TypeVar("T")
+Key = tuple[str, int]  # (host, port) of a prefill's side channel
+# TP (``transfer.shards``): (key, peer's topology, its layout message, its identity) ->
+# the owners to read from it, each side cut to the heads they pair
+Pairing = Callable[[Key, KVTopology, protocol.LayoutMsg, EngineIdentity | None], list[PairedOwner]]
+
+
+class HandshakeError(RuntimeError):
+    """The prefill side could not be reached, or answered something unusable."""
+
+
+class PeerUnavailable(HandshakeError):
+    """A prefill that failed recently: its requests fail at once until it is retried."""
+
+
+@dataclass
+class Peer:
+    engine_id: str
+    agent: str
+    topology: KVTopology
+    owners: list[PairedOwner]
+    plan: TransferPlan  # the owners' address math, prepared once for every read
+    sliced: bool = False  # TP: reads cover part of each block (packed transfer off)
+
+
+@dataclass
+class _Link:
+    """One prefill endpoint: its ask thread, handshake in flight, peer once known."""
+
+    executor: ThreadPoolExecutor
+    handshake: Future[protocol.HandshakeReply] | None = None
+    peer: Peer | None = None
+    down_until: float = 0.0
+    error: Exception | None = None  # why it is down (a LayoutMismatch is re-raised as is)
+
+
+class Peers:
+    """The prefill endpoints this decode reads from."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        topology: KVTopology,
+        transport: NixlTransport,
+        timeout_s: float,
+        identity: EngineIdentity | None = None,
+        secret: bytes | None = None,
+        retry_s: float = RETRY_S,
+        pairing: Pairing | None = None,
+    ):
+        self.engine_id = engine_id
+        self.topology = topology
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.identity = identity
+        self.secret = secret
+        self.retry_s = retry_s
+        self.pairing = pairing
+        self._links: dict[Key, _Link] = {}
+        self._lock = threading.Lock()  # links are made on the engine thread, asked from others
+        self._warned_no_identity = False
+
+    def _link(self, key: Key) -> _Link:
+        with self._lock:
+            link = self._links.get(key)
+            if link is None:
+                pool = ThreadPoolExecutor(ASKS_PER_PEER, thread_name_prefix=f"kvshare-{key[1]}")
+                link = self._links[key] = _Link(pool)
+            return link
+
+    def submit(self, key: Key, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run a side-channel ask on ``key``'s own thread."""
+        return self._link(key).executor.submit(fn, *args)
+
+    def ask(self, key: Key, message: Any) -> protocol.SideMessage:
+        """One request/reply with ``key`` (on the caller's thread), decoded."""
+        raw = ask(key[0], key[1], protocol.encode(message), self.timeout_s, self.secret)
+        return protocol.decode(raw)
+
+    def known(self, key: Key, engine_id: str) -> Peer | None:
+        """The handshaken peer at ``key`` if it is ``engine_id`` (no side effects)."""
+        link = self._links.get(key)
+        if link is not None and link.peer is not None and link.peer.engine_id == engine_id:
+            return link.peer
+        return None
+
+    def get(self, host: str, port: int, expect: str) -> Peer | None:
+        """The peer if its handshake finished (raises why not), else None (in flight)."""
+        key = (host, port)
+        link = self._link(key)
+        if link.peer is not None and link.peer.engine_id == expect:
+            return link.peer
+        now = time.monotonic()
+        if link.error is not None and now < link.down_until:
+            if isinstance(link.error, LayoutMismatch):
+                raise link.error
+            raise PeerUnavailable(
+                f"prefill {expect} at {host}:{port} failed {link.down_until - now:.1f} s "
+                f"before its next try: {link.error}"
+            )
+        if link.handshake is None:
+            link.handshake = link.executor.submit(self._fetch, host, port, expect)
+            return None
+        if not link.handshake.done():
+            return None
+        future, link.handshake = link.handshake, None
+        try:
+            peer = self._connect(key, future.result())
+        except (HandshakeError, LayoutMismatch) as exc:
+            self._mark_down(key, link, exc)
+            raise
+        link.peer, link.error = peer, None
+        return peer
+
+    def _connect(self, key: Key, reply: protocol.HandshakeReply) -> Peer:
+        host, port = key
+        try:
+            remote = protocol.layout_from_msg(reply.layout)
+        except protocol.ProtocolError as exc:
+            raise HandshakeError(
+                f"prefill at {host}:{port} sent an unusable layout: {exc}"
+            ) from exc
+        remote_identity = protocol.identity_from_msg(reply.layout)
+        if remote_identity is None and self.identity is not None and not self._warned_no_identity:
+            self._warned_no_identity = True
+            logger.warning(
+                "prefill at %s:%d does not say which model it runs: only its KV layout is checked",
+                host,
+                port,
+            )
+        if self.pairing is not None:
+            owners = self.pairing(key, remote, reply.layout, remote_identity)
+        else:
+            owners = pair_owners(self.topology, remote, self.identity, remote_identity)
+        old = self._links[key].peer
+        if old is not None:
+            self.transport.remove_peer(old.agent)
+        agent = self.transport.add_peer(reply.agent_metadata)
+        peer = Peer(reply.engine_id, agent, remote, owners, TransferPlan(owners))
+        peer.sliced = is_sliced(self.topology, owners)
+        logger.info(
+            "handshake with %s at %s:%d: %d owners, %d sharers, layout %s -> %s",
+            peer.engine_id,
+            host,
+            port,
+            len(remote.owners),
+            len(remote.sharers),
+            remote.layout,
+            self.topology.layout,
+        )
+        return peer
+
+    def _fetch(self, host: str, port: int, expect: str) -> protocol.HandshakeReply:
+        hello = protocol.Hello(protocol.PROTOCOL_VERSION, self.engine_id, expect)
+        try:
+            reply = self.ask((host, port), hello)
+        except SideChannelError as exc:
+            raise HandshakeError(str(exc)) from exc
+        except protocol.ProtocolError as exc:
+            raise HandshakeError(f"prefill at {host}:{port} answered garbage: {exc}") from exc
+        if isinstance(reply, protocol.ErrorReply):
+            raise HandshakeError(f"prefill at {host}:{port} refused the handshake: {reply.message}")
+        if not isinstance(reply, protocol.HandshakeReply):
+            raise HandshakeError(f"prefill at {host}:{port} answered a {type(reply).__name__}")
+        if reply.protocol_version != protocol.PROTOCOL_VERSION:
+            raise HandshakeError(
+                f"prefill at {host}:{port} speaks protocol {reply.protocol_version}, this "
+                f"engine {protocol.PROTOCOL_VERSION}"
+            )
+        return reply
+
+    def evict(self, host: str, port: int, error: Exception) -> None:
+        """``key`` failed: drop its NIXL peer and queued asks; ask again after ``retry_s``."""
+        key = (host, port)
+        link = self._links.get(key)
+        if link is None or (link.error is not None and time.monotonic() < link.down_until):
+            return
+        logger.warning("prefill at %s:%d evicted for %.0f s: %s", host, port, self.retry_s, error)
+        self._mark_down(key, link, error)
+
+    def _mark_down(self, key: Key, link: _Link, error: Exception) -> None:
+        if link.peer is not None:
+            self.transport.remove_peer(link.peer.agent)
+            link.peer = None
+        link.error, link.down_until = error, time.monotonic() + self.retry_s
+        if not isinstance(error, LayoutMismatch):  # it answers: its queue may go on
+            # Asks queued behind a dead peer's timeouts fail now (their futures are
+            # cancelled); a fresh thread serves the peer once it is tried again.
+            link.executor.shutdown(wait=False, cancel_futures=True)
+            link.executor = ThreadPoolExecutor(
+                ASKS_PER_PEER, thread_name_prefix=f"kvshare-{key[1]}"
+            )
+            link.handshake = None
+
+    def close(self) -> None:
+        for link in self._links.values():
+            link.executor.shutdown(wait=False, cancel_futures=True)

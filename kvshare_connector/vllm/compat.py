@@ -1,0 +1,135 @@
+"""The differences between the vLLM releases the connector supports (0.26.0 .. 0.33.0).
+
+Each difference is detected from what vLLM ships (a module, a class, a method), not from its
+version string, so a release in between works as far as the features it has. Nothing here
+changes vLLM; the connector only chooses which of vLLM's hooks to answer.
+
+* KV memory: 0.26 hands over per-layer tensors shaped by each attention backend's
+  ``get_kv_cache_shape`` (or one cross-layer blocks tensor, when the connector prefers it);
+  from 0.29 vLLM picks one ``KVCacheLayout`` and hands over strided ``[B, H, N, C]`` views
+  into one buffer per KV cache group; a connector may state a layout it wants.
+* Load failures: 0.26 takes failed block ids (one KV cache group only); from 0.30 a worker
+  reports failed requests in ``KVConnectorTransferResults.failed_recving``, and vLLM's
+  ``kv_load_failure_policy`` recomputes or fails them under any number of groups.
+* Sleep mode (0.33): ``unregister_kv_caches`` before the KV memory is released,
+  ``restore_kv_caches`` after it is mapped again.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterable
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1 import base as _base
+
+from kvshare_connector.common.log import get_logger
+from kvshare_connector.layout.topology import BLOCK, CONTENT, HEAD, TOKEN
+
+logger = get_logger(__name__)
+
+# vLLM >= 0.29: one physical layout for the model, per-layer views are [B, H, N, C].
+HAS_KV_CACHE_LAYOUT = importlib.util.find_spec("vllm.v1.kv_cache_layout") is not None
+# vLLM <= 0.28: the connector may ask for, and receive, one cross-layer blocks tensor.
+HAS_CROSS_LAYER_TENSOR = hasattr(_base.KVConnectorBase_V1, "register_cross_layers_kv_cache")
+# vLLM >= 0.30: failed loads are reported per request.
+TransferResults: Any = getattr(_base, "KVConnectorTransferResults", None)
+HAS_FAILED_RECVING = TransferResults is not None
+# vLLM >= 0.33: sleep mode tells the connector before the KV memory goes away.
+HAS_SLEEP_HOOKS = hasattr(_base.KVConnectorBase_V1, "unregister_kv_caches")
+
+# Dim labels of the per-layer view every vLLM >= 0.29 connector receives: logical
+# [blocks, kv heads, tokens, K|V content]; the physical order lives in its strides.
+LAYER_VIEW_LABELS = (BLOCK, HEAD, TOKEN, CONTENT)
+
+# The block-major layout that replaced the cross-layer blocks tensor (NHD inside a block,
+# FlashAttention's and Triton's order): one block of every layer of a group is one run.
+BLOCK_MAJOR_LAYOUT = "BLNHC"
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def layer_view_labels(backend: Any) -> tuple[str, ...] | None:
+    """The labels of a per-layer KV view when vLLM fixes them, else None (probe the backend).
+
+    From 0.29 vLLM builds every attention view as ``[B, H, N, C]`` itself and attention
+    backends no longer describe a shape.
+    """
+    if HAS_KV_CACHE_LAYOUT and not hasattr(backend, "get_kv_cache_shape"):
+        return LAYER_VIEW_LABELS
+    return None
+
+
+def required_kv_cache_layout(cross_layer_blocks: bool) -> str | None:
+    """What ``get_required_kvcache_layout`` answers: a preference, or None for vLLM's pick.
+
+    The topology reads any layout off the strides, so only the block-major wish of the
+    ``cross_layer_blocks`` option is passed on (vLLM 0.33 drops a wish its attention
+    backends cannot use, with a warning). On 0.26 the option works through
+    ``prefer_cross_layer_blocks`` instead.
+    """
+    if HAS_KV_CACHE_LAYOUT and cross_layer_blocks:
+        return BLOCK_MAJOR_LAYOUT
+    return None
+
+
+def cross_layer_blocks_default(kvcached_on: bool) -> bool:
+    """Default of the ``cross_layer_blocks`` option.
+
+    0.26 uses the cross-layer tensor only where every layer has one KV shape, so asking
+    is harmless. vLLM 0.33 honours a block-major wish for any model but then cannot start
+    a model whose layers have different KV shapes and share KV (Gemma-4 E2B), so there
+    the option is off unless set.
+    """
+    return HAS_CROSS_LAYER_TENSOR and not kvcached_on
+
+
+def layout_name(vllm_config: Any, default: str = "per_layer") -> str:
+    """A name for the KV memory layout vLLM chose (0.33: its ``KVCacheLayout``, e.g.
+    ``LBNHC``), for logs and mismatch messages."""
+    if not HAS_KV_CACHE_LAYOUT:
+        return default
+    chosen = getattr(getattr(vllm_config, "cache_config", None), "kv_cache_layout", None)
+    return str(chosen) if chosen else default
+
+
+def transfer_results(
+    sending: Iterable[str] | None, recving: Iterable[str] | None, failed: Iterable[str]
+) -> Any:
+    """``get_transfer_results``' answer: failed loads count as finished receiving, as vLLM
+    needs, and are named in ``failed_recving`` so its failure policy applies to them."""
+    if TransferResults is None:
+        raise RuntimeError(f"vLLM {vllm_version()} has no KVConnectorTransferResults")
+    failed = set(failed)
+    return TransferResults(
+        finished_sending=set(sending or ()),
+        finished_recving=set(recving or ()) | failed,
+        failed_recving=failed,
+    )
+
+
+def kv_cache_tensor_layers(tensor: Any) -> list[str]:
+    """The layers one ``KVCacheTensor`` places (0.26: ``shared_by``; 0.33: ``layers``)."""
+    layers = getattr(tensor, "layers", None)
+    return list(layers if layers is not None else tensor.shared_by)
+
+
+def transfer_group_ids(kv_cache_config: Any) -> tuple[int, ...]:
+    """The KV cache groups a load restores: all that take part in transfers."""
+    ids = getattr(kv_cache_config, "transfer_group_ids", None)
+    if ids is not None:
+        return tuple(ids)
+    return tuple(range(len(kv_cache_config.kv_cache_groups)))
+
+
+def p2p_cache_hit_source() -> Any:
+    """vLLM >= 0.32 labels external cache hits by tier; ours come from a peer engine."""
+    try:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    except ImportError:
+        return None
+    return getattr(CacheHitSource, "P2P", None)

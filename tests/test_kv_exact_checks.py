@@ -1,0 +1,94 @@
+"""kv_exact's checks in verify mode and kv_outputs' comparison, on a committed GPU cell
+(2026-11-30, e2b/plain) with the verify-mode records added as the engines write them."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RAW = ROOT / "results" / "gpu" / "2026-11-30" / "raw" / "kv_exact" / "kvx1.tgz"
+sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+
+import kv_exact  # noqa: E402
+import kv_outputs  # noqa: E402
+
+CELL = {**kv_exact.CELLS["e2b/plain"], "verify": True}
+
+
+@pytest.fixture
+def cell(tmp_path) -> Path:
+    with tarfile.open(RAW) as tar:
+        members = [m for m in tar.getmembers() if "/e2b__plain/" in m.name]
+        tar.extractall(tmp_path, members=members, filter="data")
+    work = tmp_path / "runs" / "kvx" / "e2b__plain"
+    n = len(kv_exact.PROMPT_LENS)
+    with open(work / "decode.jsonl", "a") as out:  # the probe's record of refused loads
+        for i in range(n):
+            failed = f"VerificationError: request t{i}: its KV differs from what prefill ..."
+            record = {"side": "decode", "request_id": f"t{i}", "remote_request_id": f"pt{i}"}
+            out.write(json.dumps({**record, "tampered": True, "failed": failed}) + "\n")
+    with open(work / "decode.read_log.jsonl", "w") as log:  # main + control loads, verified
+        for i in range(2 * n):
+            log.write(json.dumps({"request_id": f"r{i}", "bytes": 1, "verified": 543}) + "\n")
+    result = json.loads((work / "decode.result.json").read_text())
+    error = {"kv_load_error": "VerificationError: ... differs from prefill block 7"}
+    result["tamper"] = {"kv_transfer_params": [error] * n}
+    (work / "decode.result.json").write_text(json.dumps(result))
+    return work
+
+
+def test_verify_mode_passes_a_cell_whose_tampered_loads_were_refused(cell):
+    checked = kv_exact.check_cell(cell, CELL)
+    assert checked["problems"] == []
+    assert checked["verified_loads"] == 2 * len(kv_exact.PROMPT_LENS)
+    assert checked["tamper_refused"] == len(kv_exact.PROMPT_LENS)
+
+
+def test_verify_mode_fails_a_cell_whose_tampered_load_was_accepted(cell):
+    lines = (cell / "decode.jsonl").read_text().splitlines()
+    accepted = json.loads(lines[-1])
+    del accepted["failed"]
+    (cell / "decode.jsonl").write_text("\n".join([*lines[:-1], json.dumps(accepted)]) + "\n")
+    problems = kv_exact.check_cell(cell, CELL)["problems"]
+    assert any("load was not refused" in p for p in problems)
+
+
+def test_verify_mode_fails_a_cell_with_an_unverified_load(cell):
+    lines = (cell / "decode.read_log.jsonl").read_text().splitlines()
+    (cell / "decode.read_log.jsonl").write_text("\n".join(lines[1:]) + "\n")
+    problems = kv_exact.check_cell(cell, CELL)["problems"]
+    assert any("loads verified" in p for p in problems)
+
+
+def test_outputs_are_set_against_the_noise_floor_and_the_control(cell):
+    decode = json.loads((cell / "decode.result.json").read_text())
+    colocated = {k: copy.deepcopy(decode[k]) for k in ("main", "control")}
+    alone = copy.deepcopy(decode["main"])
+    alone["logprobs"] = [[lp - 0.01 for lp in row] for row in alone["logprobs"]]
+    colocated["main_alone"] = alone  # the engine's own noise: 0.01 at every token
+    colocated["control"]["logprobs"] = [  # the control (wrong KV) lands far off
+        [lp - 1.5 for lp in row] for row in colocated["control"]["logprobs"]
+    ]
+    colocated["control"]["tokens"] = [[t + 1 for t in row] for row in decode["control"]["tokens"]]
+    result = kv_outputs.compare_outputs(decode, colocated)
+
+    assert result["pd_vs_colocated"]["identical"] == len(kv_exact.PROMPT_LENS)
+    assert result["noise_floor"]["first_logprob_diff_max"] == pytest.approx(0.01)
+    assert result["control_vs_colocated"]["same_prefix"] == [0] * len(kv_exact.PROMPT_LENS)
+    assert result["pd_within_floor"] and result["control_above_floor"]
+    assert "noise floor" in kv_outputs.table({"e2b/plain": result})
+
+
+def test_a_control_inside_the_noise_floor_is_reported_as_unable_to_tell(cell):
+    decode = json.loads((cell / "decode.result.json").read_text())
+    same = {k: copy.deepcopy(decode[k]) for k in ("main", "control")}
+    same["main_alone"] = copy.deepcopy(decode["main"])
+    same["main_alone"]["logprobs"] = [[lp - 0.5 for lp in r] for r in decode["main"]["logprobs"]]
+    result = kv_outputs.compare_outputs(decode, same)
+    assert not result["control_above_floor"]

@@ -1,0 +1,125 @@
+"""Decode's prefill peers under failure, across real processes: a dead prefill delays only
+its own requests, is evicted (its requests then fail at once, with the reason) and is
+handshaken again once it is back; a prefill with another layout is remembered, not asked
+again for every request.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+
+from kvshare_connector.devtools.demo import build, request_block_ids
+from kvshare_connector.transfer.nixl import NixlTransport
+from kvshare_connector.transfer.protocol import remote_prefill_params
+from kvshare_connector.transfer.sink import KVSink
+
+from .support.transfer_peer import PeerProcess
+
+TOKENS = 300
+HANDSHAKE_S = 4.0  # the bound a dead prefill costs each ask (a loaded CI box is slow)
+RETRY_S = 3.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def source(name: str, model: str = "g4tiny", port: int = 0, requests: int = 6) -> dict:
+    spec = {"name": name, "model": model, "layout": "per_layer", "requests": requests}
+    return {**spec, "tokens": TOKENS, "kv_mib": 32, "seed": 40, "port": port}
+
+
+@pytest.fixture(scope="module")
+def alive():
+    """The prefills that stay up: one healthy, one with another model's layout."""
+    process = PeerProcess([source("healthy"), source("other", model="g4uniform", requests=3)])
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def sink():
+    stack, topology = build("g4tiny", "per_layer", 16, 2048)  # kept alive by the fixture
+    made = KVSink(f"peers-{os.getpid()}", topology, NixlTransport(f"peers-{os.getpid()}"),
+                  HANDSHAKE_S, 10.0)  # fmt: skip
+    made.peers.retry_s = RETRY_S
+    made.test_topology = topology
+    yield made
+    del stack
+    made.close()
+
+
+def queue(sink: KVSink, request: dict, request_id: str, seed: int) -> None:
+    local = request_block_ids(sink.test_topology, TOKENS, seed=seed)
+    sink.request(request_id, remote_prefill_params(request["kv_transfer_params"]), local)
+
+
+def run(sink: KVSink, ids: set[str], timeout_s: float) -> list[tuple[float, str, str | None]]:
+    """Poll until every id is done or failed: ``(seconds, id, failure)`` in finish order."""
+    start, out, left = time.monotonic(), [], set(ids)
+    while left:
+        assert time.monotonic() - start < timeout_s, f"{sorted(left)} still pending"
+        done, failed = sink.poll()
+        for request_id in sorted((done | set(failed)) & left):
+            out.append((time.monotonic() - start, request_id, failed.get(request_id)))
+            left.discard(request_id)
+        time.sleep(0.002)
+    return out
+
+
+def test_dead_prefill_is_evicted_without_delaying_others_and_rejoins(sink, alive):
+    port = free_port()
+    healthy = alive
+    doomed = PeerProcess([source("doomed", port=port)])
+    try:
+        # Both handshaken and serving.
+        queue(sink, healthy.request("healthy", 0), "h0", 1)
+        queue(sink, doomed.request("doomed", 0), "d0", 2)
+        assert [f for _, _, f in run(sink, {"h0", "d0"}, 30)] == [None, None]
+
+        doomed.kill()  # SIGKILL: its side channel never answers again
+        for i in range(1, 5):
+            queue(sink, doomed.request("doomed", i), f"d{i}", 10 + i)
+        queue(sink, healthy.request("healthy", 1), "h1", 20)
+        finished = run(sink, {"d1", "d2", "d3", "d4", "h1"}, 30)
+
+        # The healthy prefill's request is not queued behind the dead one's timeouts.
+        assert finished[0][1] == "h1" and finished[0][2] is None
+        failures = {rid: reason for _, rid, reason in finished[1:]}
+        assert all(failures.values()), failures
+        assert any("PeerDown" in r for r in failures.values()), failures
+        # Evicted: a new request for it fails at once, saying why, without another wait.
+        queue(sink, doomed.request("doomed", 5), "d5", 30)
+        ((seconds, _, reason),) = run(sink, {"d5"}, HANDSHAKE_S)
+        assert "PeerUnavailable" in reason and "next try" in reason
+        assert seconds < HANDSHAKE_S / 2
+
+        # Restarted on the same port (a new engine id, new NIXL agent): it rejoins once
+        # the retry time has passed.
+        time.sleep(RETRY_S)
+        restarted = PeerProcess([source("doomed", port=port)])
+        try:
+            queue(sink, restarted.request("doomed", 0), "r0", 40)
+            assert run(sink, {"r0"}, 30)[0][2] is None
+        finally:
+            restarted.stop()
+    finally:
+        doomed.stop()
+
+
+def test_prefill_with_another_layout_is_remembered_not_asked_again(sink, alive, monkeypatch):
+    other = alive
+    fetched = []
+    fetch = sink.peers._fetch
+    monkeypatch.setattr(sink.peers, "_fetch", lambda *a: fetched.append(a) or fetch(*a))
+    for i in range(3):
+        queue(sink, other.request("other", i), f"o{i}", 50 + i)
+        ((_, _, reason),) = run(sink, {f"o{i}"}, 30)
+        assert "LayoutMismatch" in reason and "KV cache group count" in reason
+    assert len(fetched) == 1

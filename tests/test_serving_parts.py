@@ -1,0 +1,215 @@
+"""bench_serving.py's pure parts on CPU, on synthetic input: Prometheus parsing, the
+warmup's generation checks, the scaling plan and its time bound, the fault test's timeline
+and verdicts, the scaling report (table with points not reached, PNG from raw JSON), and the
+long-lived bench worker (runs, failures, a timeout that kills and restarts it)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+
+import serving_report as sr  # noqa: E402
+from serving import checks, faults, metrics, scaling  # noqa: E402
+from serving.client import BenchClient  # noqa: E402
+
+from .test_bench_serving import vllm_result  # noqa: E402
+
+PROM = """# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 40.0
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 2.0
+vllm:request_success_created{engine="0",finished_reason="stop",model_name="m"} 1.7e9
+vllm:kvshare_read_seconds_bucket{engine="0",le="0.001",model_name="m"} 5.0
+vllm:kvshare_read_seconds_count{engine="0",model_name="m"} 42.0
+vllm:kvshare_failed_loads_total{engine="0",model_name="m"} 1.0
+vllm:kvshare_failed_loads_created{engine="0",model_name="m"} 1.7e9
+vllm:gpu_cache_other 9
+"""
+
+
+def test_prometheus_parse_and_engine_summary() -> None:
+    series = metrics.parse(PROM)
+    assert series["vllm:kv_cache_usage_perc"] == 0.25
+    assert series['vllm:request_success_total{finished_reason="stop"}'] == 2.0
+    assert "vllm:gpu_cache_other" not in series
+    assert metrics.total(series, "vllm:request_success_total") == 42.0
+    assert metrics.total(series, "vllm:nothing") is None
+    summary = metrics.engine_summary(series)
+    assert (summary["requests"], summary["kv_cache_usage"], summary["running"]) == (42.0, 0.25, 3.0)
+    assert summary["kvshare"] == {"read_seconds_count": 42.0, "failed_loads_total": 1.0}
+    assert metrics.engine_summary(None) == {"up": False}
+
+
+def test_generation_checks() -> None:
+    a = checks.prompt_ids(1, 3, 50, 4096)
+    assert a == checks.prompt_ids(1, 3, 50, 4096) and a != checks.prompt_ids(2, 3, 50, 4096)
+    assert all(len(p) == 50 and min(p) >= 16 and max(p) < 4096 for p in a)
+    good = {"status": 200, "text": " x y", "completion_tokens": 4, "kv_load_error": None}
+    records = [
+        good, {**good, "completion_tokens": 3}, {"status": 503, "error": "prefill down"},
+        {**good, "kv_load_error": "peer gone"}, {**good, "text": ""},
+    ]  # fmt: skip
+    verdict = checks.judge(records, 4)
+    assert (verdict["ok"], verdict["requests"]) == (1, 5)
+    assert [p.split(":")[0] for p in verdict["problems"]] == ["#1", "#2", "#3", "#4"]
+    assert "HTTP 503 prefill down" in verdict["problems"][1]
+    by = {"colocated": [{"text": "a"}, {"text": "b"}], "ours": [{"text": "a"}, {"text": "c"}],
+          "nixl": [{"text": None}]}  # fmt: skip
+    assert checks.agreement(by, "colocated") == {"ours": 0.5, "nixl": None}
+
+
+def test_scaling_plan_and_time_estimate() -> None:
+    assert scaling.points([4096, 1024], [16, 1]) == [(1024, 1), (1024, 16), (4096, 1), (4096, 16)]
+    assert [scaling.prompts_at(c, 1, 4) for c in (1, 16, 64)] == [4, 16, 64]
+    assert scaling.estimate([], 10**6) == 5.0
+    # 1M tokens took 15 s (10 s past the fixed 5): 4M tokens, 45 s.
+    assert scaling.estimate([(10**6, 15.0), (10**5, 5.5)], 4 * 10**6) == pytest.approx(45.0)
+
+
+def _fault_data(t0: float) -> dict[str, Any]:
+    ev = [("load start", 0.0), ("prefill killed", 10.0), ("prefill restarted", 13.0),
+          ("prefill rejoined", 40.0), ("load end", 60.0)]  # fmt: skip
+    events = [{"time": t0 + dt, "event": e} for e, dt in ev]
+    events[-1]["still_running"] = False
+    samples = [{"time": t0 + k, "engines": {"decode0": {"healthy": True, "kv_cache_usage": 0.1},
+                "prefill0": {"healthy": not 10 <= k < 40}}} for k in range(0, 61, 2)]  # fmt: skip
+    probes = [{"time": t0 + k, "status": 503 if 10 <= k < 40 else 200, "seconds": 0.01}
+              for k in range(60)]  # fmt: skip
+    direct = [{"time": t0 + k + 0.5, "status": 200, "seconds": 0.02} for k in range(60)]
+    stale = {"status": 200, "seconds": 0.4, "kv_load_error": "KV load failed: peer gone"}
+    final = {"decode0": {"vllm:kvshare_read_seconds_count": 30.0,
+                         "vllm:kvshare_failed_loads_total": 2.0},
+             "prefill0": {"vllm:kvshare_sent_total": 8.0}}  # fmt: skip
+    return {"events": events, "samples": samples, "probes": probes, "drained_s": 3.0,
+            "decode_probes": direct, "stale_load": stale,
+            "after_rejoin": {"requests": 8, "ok": 8, "problems": []},
+            "final_kvshare": final}  # fmt: skip
+
+
+def test_fault_timeline_and_verdicts() -> None:
+    t0 = 1_000_000.0
+    # vLLM's detailed result: perf_counter start times; the run ended at t0 + 61 after 60 s.
+    result = {"duration": 60.0, "completed": 50, "failed": 10,
+              "start_times": [500.0 + k for k in range(60)],
+              "errors": ["" if not 10 <= k < 20 else "HTTP 503" for k in range(60)],
+              "ttfts": [0.1] * 60, "itls": [[0.5, 0.6]] * 60}  # fmt: skip
+    reqs = faults.bench_requests(result, t0 + 61.0)
+    assert reqs[0]["time"] == pytest.approx(t0 + 1.0) and reqs[12]["ok"] is False
+    binned = faults.bins(reqs, t0 + 10.0, 2.0)
+    assert binned[0] == {"ok": 1, "failed": 1} and binned[6] == {"ok": 2, "failed": 0}
+    data = _fault_data(t0)
+    summary = faults.summarize(data, result, t0 + 61.0, 30.0, "decode0", "prefill0")
+    v = summary["verdicts"]
+    assert all(x["ok"] for x in v.values()), v
+    kept = v["decode_kept_serving"]
+    assert kept["direct_decode_probes_ok"] == "50/50" and kept["decode_healthy_samples"] == "26/26"
+    assert kept["front_requests_after_kill_ok"] == "41/51"
+    assert kept["in_flight_at_kill"] == "1/1 ok"  # started at +9 s, 1.2 s long
+    assert kept["stale_load"]["kv_load_error"].startswith("KV load failed")
+    assert v["connector_series_live"]["prefill"] == {"sent_total": 8.0}
+    text = faults.markdown({**summary, "setup": {"front": "kvshare"}})
+    assert "| no_hang | PASS |" in text and "prefill rejoined" in text
+    assert "| +0 | 1 | 1 | 0 | 2 | 2 | 0 |" in text
+    # A probe that never answered, a decode that went down, KV that never drained, a stale
+    # load that hung: FAIL.
+    data["stale_load"] = {"status": None, "seconds": 30.0}
+    data["probes"].append({"time": t0 + 20, "status": None, "seconds": 30.0})
+    data["samples"][10]["engines"]["decode0"]["healthy"] = False
+    data["drained_s"] = None
+    v = faults.summarize(data, result, t0 + 61.0, 30.0, "decode0", "prefill0")["verdicts"]
+    assert [k for k, x in v.items() if not x["ok"]] == [
+        "decode_kept_serving", "no_hang", "kv_usage_zero"]  # fmt: skip
+
+
+def test_scaling_report_marks_points_not_reached_and_plots(tmp_path: Path) -> None:
+    """Synthetic raw JSON of a scaling run: 1k/4k x 1/16 ran, 16k and 32k did not."""
+    raw = tmp_path / sr.RAW
+    (raw / "bench").mkdir(parents=True)
+    (raw / "reads").mkdir()
+    deps = {"ours": {"kind": "ours", "router": "vllm-router",
+                     "read_logs": ["reads/ours-decode0.jsonl", "reads/ours-decode1.jsonl"]},
+            "nixl": {"kind": "nixl", "router": "vllm-router", "read_logs": []},
+            "colocated": {"kind": "colocated", "router": "none", "read_logs": []}}  # fmt: skip
+    (raw / "deployments.json").write_text(json.dumps(deps))
+    (raw / "meta.json").write_text(json.dumps({"mode": "scaling", "router": "vllm-router"}))
+    runs, reads, t = [], [[], []], 100.0
+    for length in (1024, 4096, 16384, 32768):
+        for conc in (1, 16):
+            for name in deps:
+                run = {"deployment": name, "kind": name, "round": 0, "input_len": length,
+                       "concurrency": conc, "file": f"bench/{name}_r0_in{length}_c{conc}.json",
+                       "warmup": False}  # fmt: skip
+                if length > 4096:
+                    runs.append({**run, "skipped": "time budget (3s left, ~40s needed)"})
+                    continue
+                ttft = length / 100 * (1.2 if name == "nixl" else 1.0)
+                (raw / run["file"]).write_text(json.dumps(vllm_result(5.0, ttft, 8.0 + conc)))
+                runs.append({**run, "start": t, "end": t + 5, "rc": 0})
+                if name == "ours":
+                    for i in range(4):  # half the reads on each decode: 200 GB/s
+                        reads[i % 2].append({"time": t + 1, "bytes": length * 10**6,
+                                             "descriptors": 1, "blocks": 4,
+                                             "seconds": length * 5e-6})  # fmt: skip
+                t += 10
+    (raw / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+    for k in (0, 1):
+        (raw / "reads" / f"ours-decode{k}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in reads[k])
+        )
+    summary = sr.write_report(tmp_path)
+    assert len(summary["points"]) == 4 and len(summary["not_reached"]) == 12
+    ours = summary["points"][0]["deployments"]["ours"]
+    assert ours["read_gbps"]["median"] == pytest.approx(200.0)
+    assert ours["reads_per_request"]["median"] == pytest.approx(0.4)  # 4 reads, 10 completed
+    text = (tmp_path / "summary.md").read_text()
+    assert "## Scaling: TTFT p50 ms / ITL p50 ms / READ GB/s" in text
+    assert "| 1024 | 1 | 10.2 / 9.0 | 12.3 / 9.0 | 10.2 / 9.0 / 200.0 |" in text
+    assert "| 32768 | 16 | not reached | not reached | not reached |" in text
+    assert "Not reached (12 runs): time budget" in text
+    assert (tmp_path / "scaling.png").stat().st_size > 10_000
+
+
+FAKE_IMPL = """
+import json, time
+def run(argv):
+    opts = dict(zip(argv[::2], argv[1::2]))
+    if opts.get("--label") == "boom":
+        raise RuntimeError("no such model")
+    if opts.get("--label") == "slow":
+        time.sleep(60)
+    print("running", opts["--label"])
+    with open(opts["--result-dir"] + "/" + opts["--result-filename"], "w") as f:
+        json.dump({"completed": 1}, f)
+"""
+
+
+def test_bench_worker_runs_fails_and_times_out(tmp_path: Path, monkeypatch: Any) -> None:
+    (tmp_path / "fake_impl.py").write_text(FAKE_IMPL)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    raw = tmp_path / "raw"
+    (raw / "bench").mkdir(parents=True)
+    client = BenchClient(raw, None, "fake_impl:run")
+    opts = ["--result-dir", str(raw / "bench"), "--result-filename"]
+    try:
+        client.start()
+        assert client.run([*opts, "a.json", "--label", "ok"], raw / "a.log", 30) == 0
+        pid = client.worker.pid
+        assert client.run([*opts, "b.json", "--label", "boom"], raw / "b.log", 30) == 1
+        assert "no such model" in (raw / "b.log").read_text()
+        assert client.run([*opts, "c.json", "--label", "slow"], raw / "c.log", 2) == 124
+        assert client.worker is None  # killed; the next run starts a new one
+        assert client.run([*opts, "d.json", "--label", "ok"], raw / "d.log", 30) == 0
+        assert client.worker.pid != pid
+    finally:
+        client.close()
+    assert sorted(p.name for p in (raw / "bench").iterdir()) == ["a.json", "d.json"]
+    assert "running ok" in (raw / "a.log").read_text()

@@ -1,0 +1,218 @@
+"""``verify_kv`` across real NIXL processes: decode's blocks are checked against prefill's
+digests before a load counts as done, and every way they can differ fails the load.
+
+Prefill: a ``transfer_peer.py`` process whose sources digest what they hold (some of them
+then overwrite a held block: the KV changed after prefill computed it). Decode: this
+process, a ``KVSink`` with a digester. The negative controls read the same bytes without
+verification, to show that the transfer alone does not notice.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import pytest
+
+from kvshare_connector.devtools import kvcheck
+from kvshare_connector.devtools.demo import (
+    build,
+    cpu_digester,
+    cpu_packer,
+    read_and_check,
+    request_block_ids,
+)
+from kvshare_connector.layout import verification
+from kvshare_connector.transfer.nixl import NixlTransport
+from kvshare_connector.transfer.sink import KVSink
+
+from .support.transfer_peer import PeerProcess, overwrite_first_block
+
+TOKENS = 300
+E2B = "gemma4_e2b_shape"
+SOURCES = [
+    {"name": "tiny", "model": "g4tiny", "layout": "per_layer", "requests": 4, "seed": 10,
+     "verify": True, "corrupt": [2, 3]},
+    {"name": "packed", "model": E2B, "layout": "kvcached_contiguous", "requests": 2,
+     "seed": 20, "verify": True, "corrupt": [1], "packed_mib": 16, "kv_mib": 64},
+    {"name": "plain", "model": "g4tiny", "layout": "per_layer", "requests": 1, "seed": 30},
+]  # fmt: skip
+for _spec in SOURCES:
+    _spec.setdefault("tokens", TOKENS)
+    _spec.setdefault("kv_mib", 32)
+TIMEOUT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def peer():
+    process = PeerProcess(SOURCES)
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+class Decode:
+    def __init__(self, model: str, layout: str, kv_mib: int, verify: bool, packed_mib: int = 0):
+        self.stack, self.topology = build(model, layout, kv_mib, 2048)
+        name = f"verify-{model}-{layout}-{verify}-{os.getpid()}"
+        self.sink = KVSink(
+            name,
+            self.topology,
+            NixlTransport(name),
+            10.0,
+            10.0,
+            packer=cpu_packer(self.stack, packed_mib),
+            digester=cpu_digester(self.stack) if verify else None,
+        )
+
+    def read(self, request: dict, seed_offset: int, request_id: str):
+        for region in self.topology.regions:
+            ctypes.memset(region.addr, 0, region.nbytes)
+        local_ids = request_block_ids(self.topology, TOKENS, seed=seed_offset)
+        result = read_and_check(
+            self.sink,
+            self.stack,
+            self.topology,
+            request["kv_transfer_params"],
+            local_ids,
+            seed=request["seed"],
+            request_id=request_id,
+            timeout_s=TIMEOUT_S,
+        )
+        return result, local_ids
+
+
+@pytest.fixture(scope="module")
+def decodes(peer):
+    made: dict[tuple, Decode] = {}
+
+    def get(model: str, layout: str, verify: bool, packed_mib: int = 0, kv_mib: int = 16):
+        key = (model, layout, verify, packed_mib)
+        if key not in made:
+            made[key] = Decode(model, layout, kv_mib, verify, packed_mib)
+        return made[key]
+
+    yield get
+    for decode in made.values():
+        decode.sink.close()
+
+
+def layer_blocks(topology, local_ids) -> int:
+    return sum(len(local_ids[o.group]) for o in topology.owners.values())
+
+
+def record_of(sink: KVSink, request_id: str):
+    return next(r for r in sink.records if r.request_id == request_id)
+
+
+def test_verified_read_matches_prefill_and_counts_every_layer_block(peer, decodes):
+    decode = decodes("g4tiny", "per_layer", verify=True)
+    result, local_ids = decode.read(peer.request("tiny", 0), 1, "v-direct")
+
+    assert result.done, result.failure
+    assert result.mismatches == [] and result.stray == []
+    assert record_of(decode.sink, "v-direct").verified == layer_blocks(decode.topology, local_ids)
+    assert decode.sink.counters["verify_failures"] == 0
+
+
+def test_verified_packed_read_between_layouts(peer, decodes):
+    decode = decodes(E2B, "per_layer", verify=True, packed_mib=16, kv_mib=48)
+    result, local_ids = decode.read(peer.request("packed", 0), 2, "v-packed")
+
+    assert result.done, result.failure
+    assert result.packed
+    assert result.mismatches == []
+    assert record_of(decode.sink, "v-packed").verified == layer_blocks(decode.topology, local_ids)
+
+
+def test_kv_changed_after_prefill_digested_it_fails_the_load(peer, decodes):
+    """Negative control first: without verification the same kind of read "succeeds" on
+    bytes that are not prefill's; with it, the load fails and names the block."""
+    unverified = decodes("g4tiny", "per_layer", verify=False)
+    control, _ = unverified.read(peer.request("tiny", 3), 3, "control-corrupt")
+    assert control.done  # the transfer alone does not notice...
+    assert control.mismatches  # ...that decode now holds other bytes
+
+    decode = decodes("g4tiny", "per_layer", verify=True)
+    before = decode.sink.counters["verify_failures"]
+    result, _ = decode.read(peer.request("tiny", 2), 4, "v-corrupt")
+
+    assert not result.done
+    assert "VerificationError" in result.failure
+    first = sorted(decode.topology.owners)[0]
+    assert f"layer {first} group" in result.failure
+    assert "differs from prefill block" in result.failure
+    assert decode.sink.counters["verify_failures"] == before + 1
+    # prefill is told to free the request (an abort), not left holding it for the lease
+    request_id = peer.request("tiny", 2)["kv_transfer_params"]["remote_request_id"]
+    assert peer.released_event("tiny", request_id)["read"] == [request_id]
+
+
+def test_packed_read_of_changed_kv_fails(peer, decodes):
+    decode = decodes(E2B, "per_layer", verify=True, packed_mib=16, kv_mib=48)
+    result, _ = decode.read(peer.request("packed", 1), 5, "v-packed-corrupt")
+    assert not result.done
+    assert "VerificationError" in result.failure
+
+
+def test_decode_side_corruption_after_the_read_is_caught(peer, decodes, monkeypatch):
+    """The digest is taken from decode's blocks, not from what the wire carried: a scatter
+    into the wrong place or a block overwritten before vLLM runs fails too."""
+    decode = decodes("g4tiny", "per_layer", verify=True)
+    landed = decode.sink._landed
+
+    def landed_then_overwritten(read):
+        landed(read)
+        overwrite_first_block(decode.topology, read.local_read)
+
+    monkeypatch.setattr(decode.sink, "_landed", landed_then_overwritten)
+    result, _ = decode.read(peer.request("tiny", 1), 6, "v-decode-corrupt")
+    assert not result.done
+    assert "differs from prefill block" in result.failure
+
+
+def test_prefill_without_verify_kv_fails_a_verifying_decode_and_is_freed(peer, decodes):
+    decode = decodes("g4tiny", "per_layer", verify=True)
+    request = peer.request("plain", 0)
+    result, _ = decode.read(request, 7, "v-no-digests")
+
+    assert not result.done
+    assert "sent no KV digests" in result.failure
+    assert "verify_kv must be on for prefill too" in result.failure
+    assert kvcheck.nonzero_blocks_outside(decode.stack.kv_caches, decode.topology, []) == []
+    request_id = request["kv_transfer_params"]["remote_request_id"]
+    assert peer.released_event("plain", request_id)["read"] == [request_id]
+
+
+def test_digest_reference_matches_the_kernel_and_sees_one_word():
+    """The torch kernel equals the host reference, and changing any single 64-bit word of
+    a block (or swapping two words) changes its digest."""
+    stack, topology = build("g4tiny", "per_layer", 8, 2048)
+    ids = request_block_ids(topology, TOKENS, seed=9)
+    kvcheck.fill(stack.kv_caches, topology, ids, seed=9)
+    digests = cpu_digester(stack).start(topology, ids).result()
+    runs = verification.layer_runs(topology, ids)[0]
+    segments = runs.block_bytes // runs.segment_len
+    block = b"".join(ctypes.string_at(int(a), runs.segment_len) for a in runs.addr[:segments])
+    assert verification.digest_bytes(block) == int(digests[runs.name][0])
+    words = bytearray(block)
+    words[8:16] = bytes(b ^ 0x01 for b in words[8:16])
+    assert verification.digest_bytes(bytes(words)) != verification.digest_bytes(block)
+    swapped = block[8:16] + block[:8] + block[16:]
+    if swapped != block:
+        assert verification.digest_bytes(swapped) != verification.digest_bytes(block)
+
+
+def test_verify_kv_option_is_strict_and_the_lmcache_backend_refuses_it():
+    from kvshare_connector.backends import create_backend
+    from kvshare_connector.backends.base import flag_option
+
+    assert flag_option({"verify_kv": True}, "verify_kv") is True
+    assert flag_option({"verify_kv": "false"}, "verify_kv") is False
+    assert flag_option({}, "verify_kv") is False
+    with pytest.raises(ValueError, match="must be true or false"):
+        flag_option({"verify_kv": "yes"}, "verify_kv")
+    lmcache = {"backend": "lmcache", "lmcache": {"remote_url": "lm://127.0.0.1:1"}}
+    with pytest.raises(ValueError, match="verify_kv is a feature of the nixl backend"):
+        create_backend({**lmcache, "verify_kv": True})
