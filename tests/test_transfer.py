@@ -248,7 +248,9 @@ def test_per_layer_read_every_layer_byte_for_byte(peers, decoders):
 
     assert_landed(decoder, result, local_ids)
     assert len(decoder.stack.kv_caches) == 10
-    # Prefill freed the blocks on decode's notification: nothing stays held for it.
+    # Prefill freed the blocks on decode's notification: nothing stays held for it. (The
+    # peer polls once it has built all its sources: on a slow box that can take a while.)
+    assert peers.main.all_ready.wait(300)
     released = peers.main.released_event("tiny", request["request_id"])
     assert request["request_id"] in released["read"]
     assert request["request_id"] not in released["held"]
