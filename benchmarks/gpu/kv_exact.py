@@ -121,16 +121,9 @@ def engine_main(args: argparse.Namespace) -> None:
         for batch in batches_of(cell):
             out[batch] = run(batch, [{"do_remote_decode": True}] * len(PROMPT_LENS), 1)
         _write(work / "prefill.json", out)
-        deadline = time.monotonic() + args.hold_s
-        while time.monotonic() < deadline and not (work / "stop").exists():
-            time.sleep(0.2)  # the engine keeps serving reads
+        serve_until_stopped(work, args.hold_s)
         return
-    deadline = time.monotonic() + args.hold_s
-    while not (work / "prefill.json").exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError("prefill never wrote its kv_transfer_params")
-        time.sleep(0.2)
-    produced = json.loads((work / "prefill.json").read_text())
+    produced = prefill_params(work, args.hold_s)
     out["main"] = run("main", produced["main"]["kv_transfer_params"], MAX_TOKENS)
     scrambled = [
         {**p, "kvshare_probe_scramble": True} for p in produced["control"]["kv_transfer_params"]
@@ -142,6 +135,23 @@ def engine_main(args: argparse.Namespace) -> None:
         out["tamper"] = run("tamper", tampered, MAX_TOKENS)
     _write(work / "decode.result.json", out)
     (work / "stop").touch()
+
+
+def serve_until_stopped(work: Path, hold_s: float) -> None:
+    """Prefill: keep the engine (and its held KV) up until decode is done or ``hold_s``."""
+    deadline = time.monotonic() + hold_s
+    while time.monotonic() < deadline and not (work / "stop").exists():
+        time.sleep(0.2)  # the engine keeps serving reads
+
+
+def prefill_params(work: Path, hold_s: float) -> dict[str, Any]:
+    """Decode: what prefill wrote (its batches' kv_transfer_params), once it is there."""
+    deadline = time.monotonic() + hold_s
+    while not (work / "prefill.json").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("prefill never wrote its kv_transfer_params")
+        time.sleep(0.2)
+    return json.loads((work / "prefill.json").read_text())
 
 
 def _write(path: Path, data: Any) -> None:

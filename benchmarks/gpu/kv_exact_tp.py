@@ -122,16 +122,9 @@ def engine_main(args: argparse.Namespace) -> None:
         for batch in kx.BATCHES:
             out[batch] = run(batch, [{"do_remote_decode": True}] * len(kx.PROMPT_LENS), 1)
         kx._write(work / "prefill.json", out)
-        deadline = time.monotonic() + args.hold_s
-        while time.monotonic() < deadline and not (work / "stop").exists():
-            time.sleep(0.2)  # the engine keeps serving reads
+        kx.serve_until_stopped(work, args.hold_s)
         return
-    deadline = time.monotonic() + args.hold_s
-    while not (work / "prefill.json").exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError("prefill never wrote its kv_transfer_params")
-        time.sleep(0.2)
-    produced = json.loads((work / "prefill.json").read_text())
+    produced = kx.prefill_params(work, args.hold_s)
     out["main"] = run("main", produced["main"]["kv_transfer_params"], kx.MAX_TOKENS)
     scrambled = [
         {**p, "kvshare_probe_scramble": True} for p in produced["control"]["kv_transfer_params"]
