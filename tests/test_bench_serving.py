@@ -117,6 +117,31 @@ def test_commands_of_each_deployment(tmp_path: Path, model_dir: Path) -> None:
     bs.check_memory(planned, one_at_a_time=True)
 
 
+def test_kvcached_per_deployment_and_fixed_kv_size(tmp_path: Path, model_dir: Path) -> None:
+    """One run can hold plain and kvcached variants of ours; a fixed KV size skips vLLM's
+    memory profiling and starts every engine at once."""
+    _, planned = _plan(
+        tmp_path, model_dir, "--ours-variants", "plain={}", "kvc={}", "kvl={}",
+        "--kvcached", "contiguous", "--kvcached-on", "ours-kvc", "ours-kvl=per_layer",
+        "--kv-cache-gib", "1.5", "--deployments", "ours", "--engine-env", "UCX_LOG_LEVEL=info",
+    )  # fmt: skip
+    env = {p.name: p.deployment.engines[0].env for p in planned}
+    assert all(e["UCX_LOG_LEVEL"] == "info" for e in env.values())
+    assert env["ours-plain"]["ENABLE_KVCACHED"] == "false"
+    assert env["ours-kvc"]["KVCACHED_CONTIGUOUS_LAYOUT"] == "true"
+    assert env["ours-kvl"]["KVCACHED_CONTIGUOUS_LAYOUT"] == "false"
+    for p in planned:
+        assert p.deployment.cfg.parallel_start is True
+        for e in p.deployment.engines:
+            assert _arg(e.argv, "--kv-cache-memory-bytes") == str(int(1.5 * 2**30))
+    with pytest.raises(SystemExit, match="mode must be one of"):
+        _plan(tmp_path, model_dir, "--kvcached-on", "ours=fast")
+    _, default = _plan(tmp_path, model_dir)
+    assert all(p.deployment.cfg.parallel_start is None for p in default)
+    assert all("--kv-cache-memory-bytes" not in e.argv
+               for p in default for e in p.deployment.engines)  # fmt: skip
+
+
 def test_kvcached_modes_and_variants() -> None:
     assert bs.kvcached_env("none") == {"ENABLE_KVCACHED": "false"}
     assert bs.kvcached_env("contiguous")["KVCACHED_CONTIGUOUS_LAYOUT"] == "true"

@@ -36,10 +36,24 @@ def request_ids(topology, seed):
     return disjoint_block_ids(topology.num_blocks, counts, seed)
 
 
+def _region_of(topology, addr: int):
+    return next(r for r in topology.regions if r.addr <= addr < r.addr + r.nbytes)
+
+
 def translate(rows: np.ndarray, src, dst) -> np.ndarray:
-    """The same offsets inside the matching region of an identically laid out engine."""
+    """The same offsets inside the matching region of an identically laid out engine.
+
+    Regions are paired through the owner layers they hold: they are sorted by address,
+    and two engines' separate buffers (kvcached per-layer: one per pool) need not come
+    out of the allocator in the same address order.
+    """
+    pairs = {
+        _region_of(src, owner.geometry.base): _region_of(dst, dst.owners[name].geometry.base)
+        for name, owner in src.owners.items()
+    }
+    assert len(pairs) == len(src.regions) == len(dst.regions)
     out = rows.copy()
-    for s, d in zip(src.regions, dst.regions, strict=True):
+    for s, d in pairs.items():
         inside = (rows[:, 0] >= s.addr) & (rows[:, 0] < s.addr + s.nbytes)
         out[inside, 0] = rows[inside, 0] - np.uint64(s.addr) + np.uint64(d.addr)
     return out

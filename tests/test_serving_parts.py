@@ -65,6 +65,13 @@ def test_generation_checks() -> None:
     by = {"colocated": [{"text": "a"}, {"text": "b"}], "ours": [{"text": "a"}, {"text": "c"}],
           "nixl": [{"text": None}]}  # fmt: skip
     assert checks.agreement(by, "colocated") == {"ours": 0.5, "nixl": None}
+    # Token ids, where the server returns them, decide: empty text is then no problem (ids
+    # past the tokenizer's vocabulary decode to nothing), a short id list is.
+    ids = {**good, "text": "", "token_ids": [5000, 6000, 7000, 8000]}
+    verdict = checks.judge([ids, {**ids, "token_ids": [5000]}], 4)
+    assert verdict["ok"] == 1 and verdict["problems"] == ["#1: 1 token ids, asked 4"]
+    by = {"colocated": [ids, ids], "ours": [ids, {**ids, "token_ids": [5000, 6000, 7000, 1]}]}
+    assert checks.agreement(by, "colocated") == {"ours": 0.5}
 
 
 def test_scaling_plan_and_time_estimate() -> None:

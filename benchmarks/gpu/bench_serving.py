@@ -179,8 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--deployments", nargs="+", choices=KINDS, default=list(KINDS))
     add("--ours-variants", nargs="+", metavar="NAME=JSON", help='e.g. direct={"staging_mib":0}')
     add("--extra-config", help="JSON merged into our kv_connector_extra_config")
+    add("--engine-env", nargs="+", metavar="KEY=VALUE", help="env of every engine, e.g. "
+        "UCX_LOG_LEVEL=info UCX_PROTO_INFO=y (which lane a READ takes)")  # fmt: skip
     add("--kvcached", choices=KVCACHED_MODES, default="none")
-    add("--kvcached-on", nargs="+", choices=KINDS, default=["ours"], help="under --kvcached")
+    add("--kvcached-on", nargs="+", default=["ours"], metavar="KIND|NAME[=MODE]",
+        help="deployments under kvcached (kinds or names, e.g. ours-kvc=contiguous)")  # fmt: skip
     add("--router", choices=["kvshare", "vllm-router"], default="kvshare",
         help="front of the PD deployments: our proxy or vllm-router (PD mode)")  # fmt: skip
     add("--router-policy", default="round_robin", help="vllm-router's --policy")
@@ -202,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--warmup-tokens", type=int, default=16, help="tokens each warmup request generates")
     add("--warmup-len", type=int, default=2048, help="warmup prompt length cap")
     add("--gpu-mem", type=float, default=0.3, help="gpu-memory-utilization per engine")
+    add("--kv-cache-gib", type=float, default=None,
+        help="fixed KV cache per engine (--kv-cache-memory-bytes): no memory profiling, so "
+             "all engines and deployments start at once, also on one GPU")  # fmt: skip
     add("--decode-gpu-mem", type=float, default=None, help="per decode engine (default --gpu-mem)")
     add("--max-model-len", type=int, default=None, help="default: longest input + output + 128")
     add("--prefill-gpu", type=_gpus, default=["0"], help="GPU(s) of prefill engines, cycled")

@@ -222,6 +222,8 @@ def _completion_json(
         choice["logprobs"] = None
     else:
         choice["text"] = text
+        if body.get("return_token_ids"):  # as vLLM: the generated ids, stable per token
+            choice["token_ids"] = [zlib.crc32(t.encode()) % 4096 for t in tokens]
         choice["logprobs"] = (
             {
                 "tokens": tokens,

@@ -36,6 +36,7 @@ async def _one(
             data = resp.json() if is_json else None
             if resp.status_code == 200 and isinstance(data, dict):
                 rec["text"] = data["choices"][0].get("text")
+                rec["token_ids"] = data["choices"][0].get("token_ids")
                 rec["completion_tokens"] = (data.get("usage") or {}).get("completion_tokens")
                 kv = data.get("kv_transfer_params") or {}
                 rec["kv_load_error"] = kv.get("kv_load_error")
@@ -54,7 +55,16 @@ async def _send(
     sem = asyncio.Semaphore(max(1, concurrency))
     async with httpx.AsyncClient(base_url=endpoint, timeout=timeout) as client:
         bodies = [
-            dict(model=model, prompt=ids, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            # Token ids back: a model whose vocabulary outgrows the tokenizer (random-init
+            # E2B shape with the local 4k tokenizer) generates ids that decode to no text.
+            dict(
+                model=model,
+                prompt=ids,
+                max_tokens=max_tokens,
+                temperature=0,
+                ignore_eos=True,
+                return_token_ids=True,
+            )
             for ids in prompts
         ]
         return list(await asyncio.gather(*(_one(client, sem, b) for b in bodies)))
@@ -76,7 +86,9 @@ def judge(records: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
             problems.append(f"#{i}: HTTP {r.get('status')} {r.get('error', '')}".strip())
         elif r.get("completion_tokens") != max_tokens:
             problems.append(f"#{i}: {r.get('completion_tokens')} tokens, asked {max_tokens}")
-        elif not r.get("text"):
+        elif r.get("token_ids") is not None and len(r["token_ids"]) != max_tokens:
+            problems.append(f"#{i}: {len(r['token_ids'])} token ids, asked {max_tokens}")
+        elif r.get("token_ids") is None and not r.get("text"):
             problems.append(f"#{i}: empty text")
         elif r.get("kv_load_error"):
             problems.append(f"#{i}: kv_load_error {r['kv_load_error']}")
@@ -84,15 +96,20 @@ def judge(records: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
 
 
 def agreement(by_name: dict[str, list[dict[str, Any]]], base: str) -> dict[str, float | None]:
-    """Per deployment, the fraction of prompts whose greedy text equals ``base``'s (random
-    weights: PD and colocated may differ by a token where logits tie; this is evidence, not
-    a pass/fail check)."""
+    """Per deployment, the fraction of prompts whose greedy output (token ids where the server
+    returned them, else text) equals ``base``'s (random weights: PD and colocated may differ
+    by a token where logits tie; this is evidence, not a pass/fail check)."""
     ref = by_name.get(base)
     out: dict[str, float | None] = {}
     for name, recs in by_name.items():
         if name == base or not ref:
             continue
-        pairs = [(a.get("text"), b.get("text")) for a, b in zip(recs, ref, strict=False)]
+        pairs = [(_output(a), _output(b)) for a, b in zip(recs, ref, strict=False)]
         pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
         out[name] = sum(a == b for a, b in pairs) / len(pairs) if pairs else None
     return out
+
+
+def _output(record: dict[str, Any]) -> Any:
+    ids = record.get("token_ids")
+    return tuple(ids) if ids is not None else record.get("text")

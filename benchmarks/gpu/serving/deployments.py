@@ -65,6 +65,32 @@ def kvcached_env(mode: str) -> dict[str, str]:
     }
 
 
+def kvcached_mode(args: argparse.Namespace, name: str, kind: str) -> str:
+    """This deployment's kvcached mode: ``--kvcached-on`` names kinds or deployments, each
+    optionally ``=MODE`` (``ours-kvc=contiguous``) to override ``--kvcached``, so that one run
+    holds plain and kvcached variants side by side."""
+    for item in args.kvcached_on:
+        target, _, mode = item.partition("=")
+        if target in (name, kind):
+            mode = mode or args.kvcached
+            if mode not in KVCACHED_MODES:
+                raise SystemExit(f"--kvcached-on {item!r}: mode must be one of {KVCACHED_MODES}")
+            return mode
+    return "none"
+
+
+def engine_env_of(args: argparse.Namespace) -> dict[str, str]:
+    """``--engine-env KEY=VALUE`` items (e.g. ``UCX_LOG_LEVEL=info``: which UCX lane the
+    engines' READs take) for every engine."""
+    env = {}
+    for item in args.engine_env or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--engine-env wants KEY=VALUE, got {item!r}")
+        env[key] = value
+    return env
+
+
 def parse_variants(items: list[str] | None, extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """``NAME=JSON`` items -> deployment name -> kv_connector_extra_config (``--extra-config``
     first, the variant's keys over it). No items: one deployment called ``ours``."""
@@ -108,6 +134,10 @@ def serve_args(model_dir: Path, tokenizer: Path, args: argparse.Namespace) -> li
         out.append("--no-enable-prefix-caching")
     if args.enforce_eager:
         out.append("--enforce-eager")
+    if args.kv_cache_gib:
+        # A fixed KV size skips vLLM's startup memory profiling, which misreads memory that
+        # another engine on the same GPU is allocating: engines can then start together.
+        out += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))]
     return out + shlex.split(args.serve_args or "")
 
 
@@ -138,7 +168,7 @@ def plan(args: argparse.Namespace, model_dir: Path, tokenizer: Path, raw: Path) 
     planned = []
     for i, (name, kind, extra_cfg) in enumerate(named_deployments(args)):
         base = args.base_port + PORT_STRIDE * i
-        env = kvcached_env(args.kvcached if kind in args.kvcached_on else "none")
+        env = {**kvcached_env(kvcached_mode(args, name, kind)), **engine_env_of(args)}
         cfg = ServeConfig(
             model=str(model_dir), port=base, prefill_port=base + 1,
             decode_port=base + 1 + MAX_ENGINES,
@@ -150,6 +180,7 @@ def plan(args: argparse.Namespace, model_dir: Path, tokenizer: Path, raw: Path) 
             served_model_name=args.served_model_name, vllm_args=vllm_args, env=env,
             server_cmd=server_cmd, log_dir=raw / "logs" / name,
             ready_timeout=args.ready_timeout, grace=args.grace,
+            parallel_start=True if args.kv_cache_gib else None,
             proxy_timeouts=ProxyTimeouts(read=args.bench_timeout),
             router=args.router if kind != "colocated" else "kvshare",
             router_policy=args.router_policy, router_metrics_port=base + PORT_STRIDE - 1,

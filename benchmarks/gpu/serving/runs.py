@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +65,16 @@ class Runner:
     def start_all(self) -> None:
         # A lone engine first: it fills vLLM's compile cache, so the engines of a PD
         # deployment (started together) find it instead of compiling into it at once.
-        for p in sorted(self.planned, key=lambda p: p.kind != "colocated"):
-            self.start(p)
+        first, *rest = sorted(self.planned, key=lambda p: p.kind != "colocated")
+        self.start(first)
+        if not self.args.kv_cache_gib:
+            for p in rest:
+                self.start(p)
+            return
+        # A fixed KV size (no memory profiling): the other deployments start together.
+        with ThreadPoolExecutor(max_workers=max(1, len(rest))) as pool:
+            list(pool.map(self.start, rest))
+        self.up.sort(key=self.planned.index)
 
     def event(self, name: str, what: str, **info: Any) -> None:
         rec = {"time": time.time(), "deployment": name, "event": what, **info}
