@@ -136,6 +136,8 @@ def test_kvcached_per_deployment_and_fixed_kv_size(tmp_path: Path, model_dir: Pa
             assert _arg(e.argv, "--kv-cache-memory-bytes") == str(int(1.5 * 2**30))
     with pytest.raises(SystemExit, match="mode must be one of"):
         _plan(tmp_path, model_dir, "--kvcached-on", "ours=fast")
+    with pytest.raises(SystemExit, match="no such deployment"):  # a typo is not "no kvcached"
+        _plan(tmp_path, model_dir, "--kvcached-on", "ours-kvx")
     _, default = _plan(tmp_path, model_dir)
     assert all(p.deployment.cfg.parallel_start is None for p in default)
     assert all("--kv-cache-memory-bytes" not in e.argv

@@ -164,9 +164,14 @@ def plan(args: argparse.Namespace, model_dir: Path, tokenizer: Path, raw: Path) 
     if not (1 <= args.num_prefill <= MAX_ENGINES and 1 <= args.num_decode <= MAX_ENGINES):
         raise SystemExit(f"--num-prefill/--num-decode: 1 to {MAX_ENGINES}")
     vllm_args = serve_args(model_dir, tokenizer, args)
+    named = named_deployments(args)
+    known = {n for n, _, _ in named} | {k for _, k, _ in named}
+    unknown = [i for i in args.kvcached_on if i.partition("=")[0] not in known]
+    if unknown and args.kvcached_on != ["ours"]:  # the default names a kind that may be absent
+        raise SystemExit(f"--kvcached-on {unknown}: no such deployment (have {sorted(known)})")
     server_cmd = args.server_cmd or os.environ.get("KVSHARE_SERVER_CMD") or SERVER_CMD
     planned = []
-    for i, (name, kind, extra_cfg) in enumerate(named_deployments(args)):
+    for i, (name, kind, extra_cfg) in enumerate(named):
         base = args.base_port + PORT_STRIDE * i
         env = {**kvcached_env(kvcached_mode(args, name, kind)), **engine_env_of(args)}
         cfg = ServeConfig(
