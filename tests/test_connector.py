@@ -192,13 +192,6 @@ def test_pd_through_lmcache_backend(monkeypatch, engines):
     """Prefill stores owner layers' KV in LMCache (an lm:// server) in the step that computes
     it and holds no blocks; decode loads it into its own blocks through vLLM's scheduler."""
     pytest.importorskip("lmcache")
-    from kvshare_connector.vllm import compat
-
-    if compat.HAS_KV_CACHE_LAYOUT:
-        pytest.skip(
-            "LMCache backend PD on vLLM 0.33: decode never finishes the load in this test "
-            "(not diagnosed yet, issue #15); the backend's own tests pass on 0.33"
-        )
     from .support.engine_sim import lmcache_extra
     from .support.lmcache_util import QUIET_ENV, running_lm_server
 

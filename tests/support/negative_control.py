@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvshare_connector.connector import KVShareConnector
+from kvshare_connector.vllm import compat
 from kvshare_connector.vllm.metadata import KVShareMetadata
 
 SKIP_LOAD = "kvshare_test_skip_load"
@@ -52,3 +53,14 @@ class LoadSkippingConnector(KVShareConnector):
         if self._skipped:
             recving, self._skipped = (recving or set()) | self._skipped, set()
         return sending, recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM >= 0.30 asks this instead of ``get_finished``: the skipped loads must be
+        reported here too, or decode waits for them forever."""
+        results = super().get_transfer_results(finished_req_ids)
+        if not self._skipped:
+            return results
+        recving = set(results.finished_recving or ()) | self._skipped
+        self._skipped = set()
+        failed = set(results.failed_recving or ())
+        return compat.transfer_results(results.finished_sending, recving - failed, failed)
