@@ -134,6 +134,12 @@ def test_kvcached_per_deployment_and_fixed_kv_size(tmp_path: Path, model_dir: Pa
         assert p.deployment.cfg.parallel_start is True
         for e in p.deployment.engines:
             assert _arg(e.argv, "--kv-cache-memory-bytes") == str(int(1.5 * 2**30))
+    _, mixed = _plan(
+        tmp_path, model_dir, "--ours-variants", "a={}", "b={}", "--kvcached", "contiguous",
+        "--kvcached-on", "ours", "ours-b=per_layer", "--deployments", "ours",
+    )  # fmt: skip
+    layouts = [p.deployment.engines[0].env["KVCACHED_CONTIGUOUS_LAYOUT"] for p in mixed]
+    assert layouts == ["true", "false"]  # the name wins over the kind, in any order
     with pytest.raises(SystemExit, match="mode must be one of"):
         _plan(tmp_path, model_dir, "--kvcached-on", "ours=fast")
     with pytest.raises(SystemExit, match="no such deployment"):  # a typo is not "no kvcached"

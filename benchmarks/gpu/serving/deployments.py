@@ -68,14 +68,18 @@ def kvcached_env(mode: str) -> dict[str, str]:
 def kvcached_mode(args: argparse.Namespace, name: str, kind: str) -> str:
     """This deployment's kvcached mode: ``--kvcached-on`` names kinds or deployments, each
     optionally ``=MODE`` (``ours-kvc=contiguous``) to override ``--kvcached``, so that one run
-    holds plain and kvcached variants side by side."""
-    for item in args.kvcached_on:
-        target, _, mode = item.partition("=")
-        if target in (name, kind):
-            mode = mode or args.kvcached
-            if mode not in KVCACHED_MODES:
-                raise SystemExit(f"--kvcached-on {item!r}: mode must be one of {KVCACHED_MODES}")
-            return mode
+    holds plain and kvcached variants side by side. A deployment's own name wins over its
+    kind (``ours ours-kvl=per_layer``: every ours contiguous, ours-kvl per-layer)."""
+    items = [(item, *item.partition("=")[::2]) for item in args.kvcached_on]
+    for target in (name, kind):
+        for item, named, mode in items:
+            if named == target:
+                mode = mode or args.kvcached
+                if mode not in KVCACHED_MODES:
+                    raise SystemExit(
+                        f"--kvcached-on {item!r}: mode must be one of {KVCACHED_MODES}"
+                    )
+                return mode
     return "none"
 
 
