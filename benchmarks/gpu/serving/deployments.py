@@ -69,7 +69,8 @@ def kvcached_mode(args: argparse.Namespace, name: str, kind: str) -> str:
     """This deployment's kvcached mode: ``--kvcached-on`` names kinds or deployments, each
     optionally ``=MODE`` (``ours-kvc=contiguous``) to override ``--kvcached``, so that one run
     holds plain and kvcached variants side by side. A deployment's own name wins over its
-    kind (``ours ours-kvl=per_layer``: every ours contiguous, ours-kvl per-layer)."""
+    kind (``--kvcached contiguous --kvcached-on ours ours-kvl=per_layer``: every ours
+    deployment contiguous, ours-kvl per-layer)."""
     items = [(item, *item.partition("=")[::2]) for item in args.kvcached_on]
     for target in (name, kind):
         for item, named, mode in items:
