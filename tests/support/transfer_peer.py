@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import faulthandler
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -161,6 +163,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sources", required=True, help="JSON list of source specs")
     args = parser.parse_args()
+    # SIGUSR1 dumps every thread's stack to stderr: a test whose wait for this peer times
+    # out sends it, so the failure says where the peer was stuck.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     served = [Served(spec) for spec in json.loads(args.sources)]
     emit(PREFIX_ALL_READY, {})
 
@@ -213,7 +218,7 @@ class PeerProcess:
         self.released: list[dict[str, Any]] = []
         self.bye: dict[str, Any] | None = None
         self.all_ready = threading.Event()
-        self.stderr_tail: deque[str] = deque(maxlen=40)
+        self.stderr_tail: deque[str] = deque(maxlen=120)
         self._changed = threading.Condition()
         threading.Thread(target=self._read_stdout, daemon=True).start()
         threading.Thread(target=self._read_stderr, daemon=True).start()
@@ -249,7 +254,10 @@ class PeerProcess:
                     return value
                 left = deadline - time.monotonic()
                 if left <= 0 or (self.process.poll() is not None and not value):
-                    tail = "\n".join(list(self.stderr_tail)[-15:])
+                    if self.process.poll() is None:  # alive: ask for its stacks (main())
+                        self.process.send_signal(signal.SIGUSR1)
+                        self._changed.wait(2.0)
+                    tail = "\n".join(list(self.stderr_tail)[-80:])
                     raise TimeoutError(
                         f"peer: {what} not seen in {timeout_s:g} s "
                         f"(exit code {self.process.poll()}); stderr tail:\n{tail}"
