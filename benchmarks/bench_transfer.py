@@ -15,7 +15,7 @@ every owner holds the byte prefill wrote for its owner and position (a sanity ch
 tests/test_transfer.py checks full patterns on every layer).
 
     .venv/bin/python benchmarks/bench_transfer.py [--tokens 65536] [--gib 1.0] [--repeat 7]
-        [--warmup 2] [--json results.json]
+        [--warmup 2] [--progress-thread on|off] [--json results.json]
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from kvshare_connector.devtools.demo import blocks_per_group, cpu_packer, requests_block_ids
+from kvshare_connector.transfer.nixl import PROGRESS_THREAD_ENV
 
 MODEL = "gemma4_e2b_shape"
 LAYOUT = "per_layer"
@@ -302,6 +303,13 @@ def time_memmove(rows: list[np.ndarray], warmup: int, repeat: int) -> list[float
     return timed(copy, warmup, repeat)
 
 
+def idle_cpu(seconds: float) -> float:
+    """CPU cores this process uses while it waits (no NIXL call from this thread)."""
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    time.sleep(seconds)
+    return (time.process_time() - cpu0) / (time.monotonic() - wall0)
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run the prefill child, read every round, time the in-process copies: the results."""
 
@@ -320,6 +328,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     try:
         _stack, topology = build(kv_mib)  # while the prefill builds its own
         transport = NixlTransport(f"bench-decode-{os.getpid()}")
+        transport_thread = transport.progress_thread
         packer = cpu_packer(_stack, args.packed_mib)
         sink = KVSink("bench-decode", topology, transport, 60.0, 120.0, packer=packer)
         local = disjoint_requests(topology, args.tokens, batch, seed=2)
@@ -328,6 +337,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
         read_times = []
         bad_segments = 0
+        cpu0, wall0 = time.process_time(), time.monotonic()
         for index, members in enumerate(rounds):
             checked = index in (0, len(rounds) - 1)  # the first and the last round
             if checked:
@@ -338,6 +348,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 bad_segments += sum(verify(topology, ids, salt=m) for m, ids in enumerate(local))
             if index >= args.warmup:
                 read_times.append(seconds)
+        read_cores = (time.process_time() - cpu0) / (time.monotonic() - wall0)
+        idle_cores = idle_cpu(1.0)  # NIXL's progress thread, if on, spins while idle too
         cma_times = time_cma(
             ready["pid"],
             ready["regions"],
@@ -388,6 +400,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "verified": bad_segments == 0,
         "bad_segments": bad_segments,
         "ucx_tls": os.environ.get("UCX_TLS", "default"),
+        "nixl_progress_thread": transport_thread,
+        "decode_cpu_cores_during_reads": read_cores,
+        "decode_cpu_cores_idle": idle_cores,
         "packed_mib": args.packed_mib,
         "packed_reads": sum(r.packed for r in measured),
         "nixl_read": read,
@@ -453,6 +468,11 @@ def report(results: dict[str, Any]) -> str:
     lines.append(f"| memmove rows (local side coalesced alone) | {memmove_rows} |")
     verdict = "yes" if bad_segments == 0 else f"NO: {bad_segments} segment(s) wrong"
     lines.append(f"| every owner block holds prefill's bytes | {verdict} |")
+    thread = "on" if results["nixl_progress_thread"] else "off"
+    lines.append(
+        f"| NIXL progress thread: decode's CPU cores, during READ rounds / idle | {thread}: "
+        f"{results['decode_cpu_cores_during_reads']:.2f} / {results['decode_cpu_cores_idle']:.2f} |"
+    )
     lines.append("")
     lines.append(
         f"ratio NIXL READ / memcpy: {results['read_vs_memcpy']:.2f}; "
@@ -479,9 +499,17 @@ def main() -> int:
         default=0,
         help="staging area per side: each request is gathered, READ as a few runs, scattered",
     )
+    parser.add_argument(
+        "--progress-thread",
+        choices=["on", "off"],
+        default="on",
+        help="NIXL's progress thread in both processes (on: NIXL's and the connector's default)",
+    )
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--verbose", action="store_true", help="show the prefill's stderr")
     args = parser.parse_args()
+    if args.role == "main":  # the prefill child inherits it
+        os.environ[PROGRESS_THREAD_ENV] = "1" if args.progress_thread == "on" else "0"
     if args.role == "prefill":
         return run_prefill(args)
     results = measure(args)

@@ -42,6 +42,7 @@ from kvshare_connector.backends import create_backend
 from kvshare_connector.backends.base import WorkerContext, flag_option
 from kvshare_connector.common.log import get_logger
 from kvshare_connector.layout import kvcached
+from kvshare_connector.transfer.nixl import progress_thread_default
 from kvshare_connector.transfer.side_channel import resolve_secret
 from kvshare_connector.vllm import compat
 from kvshare_connector.vllm.adapter import engine_identity
@@ -124,6 +125,9 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
                 tp_size=tp_size,
                 tp_rank=tp_rank,
                 model_kv_heads=model_kv_heads(vllm_config),
+                nixl_progress_thread=flag_option(
+                    extra, "nixl_progress_thread", progress_thread_default()
+                ),
             )
             self.worker = KVShareWorker(
                 vllm_config, kv_cache_config, backend, context, extra.get("read_log")

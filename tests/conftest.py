@@ -3,8 +3,26 @@
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import os
 
 import pytest
+
+# One vLLM cache root per vLLM release, for this process and the peers it starts. vLLM
+# caches a model class's inspection under a file name that does not change between
+# releases: test runs on 0.26 and 0.33 evict each other's entry, and every process that
+# misses re-imports vLLM in a subprocess to inspect Gemma-4 again (10-17 s of CPU each).
+# Seen as peers that needed over 300 s to start while both suites ran on one 2-core box.
+os.environ.setdefault(
+    "VLLM_CACHE_ROOT",
+    os.path.join(os.path.expanduser("~"), ".cache", f"vllm-{importlib.metadata.version('vllm')}"),
+)
+# NIXL agents without NIXL's progress thread, here and in the peers (unless set): NIXL's
+# Python API starts that thread with a poll delay of 0, so each idle agent keeps a core
+# busy. A test process holds a dozen agents and its peers as many, on a 2-core CI box:
+# peers then took over 300 s to start. Tests poll NIXL themselves, as engines do every
+# step; test_transfer.py reads with the thread on too (the product's default).
+os.environ.setdefault("KVSHARE_NIXL_PROGRESS_THREAD", "0")
 
 
 @functools.cache

@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 
 import bench_pd_gpu  # noqa: E402
 import gpu_pd_e2e  # noqa: E402
+import gpu_pd_e2e_report as e2e_report  # noqa: E402
 
 
 def test_reads_are_attributed_to_their_batches():
@@ -35,21 +36,21 @@ def test_reads_are_attributed_to_their_batches():
 
 def test_registration_lines_of_both_backends():
     nixl = json.loads((RAW / "bench" / "g4tiny__plain" / "cell.json").read_text())
-    assert gpu_pd_e2e.registration(nixl["decode_registration"]).startswith(
+    assert e2e_report.registration(nixl["decode_registration"]).startswith(
         "6 owners / 4 sharers skipped (1 region"
     )
     lmcache = json.loads((RAW / "lm" / "lmcache_g4tiny__plain" / "cell.json").read_text())
-    assert gpu_pd_e2e.registration(lmcache["decode_registration"]) == (
+    assert e2e_report.registration(lmcache["decode_registration"]) == (
         "6 owners handed to LMCache / 4 sharers not"
     )
-    assert gpu_pd_e2e.registration(["an unrelated line"]) == "-"
+    assert e2e_report.registration(["an unrelated line"]) == "-"
     # The line since the backends split: the seconds follow the brackets.
     line = (
         "KVShareConnector e (kv_consumer, per_layer layout, backend NixlWorker): registered 6 "
         "owner layer(s) in 1 region(s) (12.0 MiB) in 0.41 s from 10 tensor(s) handed over; "
         "4 sharing layer(s) not registered"
     )
-    assert gpu_pd_e2e.registration([line]) == "6 owners / 4 sharers skipped (1 region, 0.41 s)"
+    assert e2e_report.registration([line]) == "6 owners / 4 sharers skipped (1 region, 0.41 s)"
 
 
 def test_lmcache_hit_tokens_summed_from_its_log_lines():
@@ -59,10 +60,10 @@ def test_lmcache_hit_tokens_summed_from_its_log_lines():
         "INFO Reqid: 1-b, Total tokens 40, Inference Engine computed tokens: 0, "
         "LMCache hit tokens: 0, need to load: 0",
     ]
-    assert gpu_pd_e2e.lmcache_hits(lines) == "LMCache hit 768 of 940 prompt tokens"
+    assert e2e_report.lmcache_hits(lines) == "LMCache hit 768 of 940 prompt tokens"
     failed = json.loads((RAW / "lm2" / "lmcache-native_g4tiny__plain" / "cell.json").read_text())
-    assert gpu_pd_e2e.lmcache_hits(failed["decode_lmcache_hits"]) == "no LMCache hit logged"
-    table = gpu_pd_e2e.report([RAW / "lm", RAW / "lm2"])
+    assert e2e_report.lmcache_hits(failed["decode_lmcache_hits"]) == "no LMCache hit logged"
+    table = e2e_report.report([RAW / "lm", RAW / "lm2"])
     assert "| lmcache-native:g4tiny/plain | FAILED (rc 1/-9) |" in table
     assert "| lmcache:g4tiny/plain | 4/4 | 36/36 | 0/4 |" in table
 
@@ -72,7 +73,7 @@ def test_token_agreement_counts_every_batch():
     an lm:// server of the same kind, one session: its prompts that load KV from LMCache
     decode differently, ours decode every batch like the colocated engine."""
     raw = ROOT / "results" / "gpu" / "2026-11-29c" / "raw"
-    table = gpu_pd_e2e.report([raw / "lm2", raw / "lm3", raw / "lm4"])
+    table = e2e_report.report([raw / "lm2", raw / "lm3", raw / "lm4"])
     # 4 prompts x (first + 8 later batches); the 40-token prompt is shorter than LMCache's
     # 256-token chunk, so decode computes it itself: 9 of the 10 matches.
     assert "| lmcache-native:g4uniform/plain | 1/4 | 10/36 | n/a |" in table
@@ -80,9 +81,9 @@ def test_token_agreement_counts_every_batch():
     assert "| lmcache-native:g4uniform/unfull-chunks | 0/4 | 0/36 | n/a |" in table
     assert "| lmcache:g4uniform/cross-layer | 4/4 | 36/36 | 0/4 |" in table
     cell = {"decode": {"main": {"tokens": [[1, 2], [3]]}}}
-    assert gpu_pd_e2e.compare(cell, {"main": {"tokens": [[1, 2], [4]]}}, ["main"]) == "1/2"
-    assert gpu_pd_e2e.compare(cell, None, ["main"]) == "n/a"
-    assert gpu_pd_e2e.compare(cell, {"main": {"tokens": [[1, 2], [3]]}}, ["corrupt"]) == "n/a"
+    assert e2e_report.compare(cell, {"main": {"tokens": [[1, 2], [4]]}}, ["main"]) == "1/2"
+    assert e2e_report.compare(cell, None, ["main"]) == "n/a"
+    assert e2e_report.compare(cell, {"main": {"tokens": [[1, 2], [3]]}}, ["corrupt"]) == "n/a"
 
 
 def test_bench_rounds_report_the_median_and_every_first_batch(tmp_path):
@@ -178,9 +179,9 @@ def test_a_cell_whose_engine_failed_is_reported_failed():
     """Fourth lease: the LMCache cell rerun into the directory of a finished run found that
     run's `stop` file, its prefill engine ended at once and decode failed (rc 1); the
     results left there from the earlier run must not read as this one's."""
-    failed = gpu_pd_e2e.report([FOURTH / "lm"])
+    failed = e2e_report.report([FOURTH / "lm"])
     assert "| lmcache:g4uniform/cross-layer | FAILED (rc 0/1) | n/a | n/a | n/a | n/a |" in failed
-    earlier = gpu_pd_e2e.report([FOURTH / "lm", FOURTH / "lm2"])  # the earlier run: rc 0/0
+    earlier = e2e_report.report([FOURTH / "lm", FOURTH / "lm2"])  # the earlier run: rc 0/0
     assert "| lmcache:g4uniform/cross-layer | 4/4 | 36/36 | 0/4 |" in earlier
     assert bench_pd_gpu._timings_of_one_run(FOURTH / "lm")["lmcache:g4uniform/cross-layer"] == {
         "failed": 1.0

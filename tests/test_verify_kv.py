@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 
 import pytest
 
@@ -182,6 +183,13 @@ def test_prefill_without_verify_kv_fails_a_verifying_decode_and_is_freed(peer, d
     assert "verify_kv must be on for prefill too" in result.failure
     assert kvcheck.nonzero_blocks_outside(decode.stack.kv_caches, decode.topology, []) == []
     request_id = request["kv_transfer_params"]["remote_request_id"]
+    # Decode told prefill to free the blocks (a NIXL notification). Without NIXL's progress
+    # thread it leaves while decode progresses, which its engine does every step: poll.
+    deadline = time.monotonic() + 10
+    while not any(request_id in e["read"] for e in peer.released):
+        assert time.monotonic() < deadline, "prefill never freed the request"
+        decode.sink.poll(spin_s=0.0)
+        time.sleep(0.01)
     assert peer.released_event("plain", request_id)["read"] == [request_id]
 
 

@@ -33,6 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_pd_e2e as e2e
+from gpu_pd_e2e_report import cell_succeeded
 
 BENCH_CELLS = [
     "g4tiny/plain",
@@ -121,7 +122,7 @@ def _timings_of_one_run(out: Path) -> dict[str, dict[str, float]]:
         cell = json.loads(path.read_text())
         log = path.parent / "reads.jsonl"
         reads = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
-        decode = (cell.get("decode") or {}) if e2e.cell_succeeded(cell) else {}
+        decode = (cell.get("decode") or {}) if cell_succeeded(cell) else {}
         result[cell["cell"]] = _with_kernels(_batch_times(decode, reads), cell)
     for path in out.glob("colocated__*/baseline.json"):
         baseline = json.loads(path.read_text())

@@ -171,6 +171,7 @@ class WorkerContext:
     tp_size: int = 1  # TP: this engine's size and this worker's rank (its port is base + rank)
     tp_rank: int = 0
     model_kv_heads: int = 0  # the model's KV heads before the TP split (0: unknown)
+    nixl_progress_thread: bool = True  # NIXL's background progress thread (busy-polls a core)
 
     @property
     def produces(self) -> bool:

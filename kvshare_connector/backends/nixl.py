@@ -83,7 +83,10 @@ class NixlWorker(WorkerBackend):
 
     def start(self, topology: KVTopology, tensors: Any) -> str:
         c = self.context
-        transport = NixlTransport(f"{c.engine_id}-{c.role}-{uuid.uuid4().hex[:6]}")
+        transport = NixlTransport(
+            f"{c.engine_id}-{c.role}-{uuid.uuid4().hex[:6]}",
+            progress_thread=c.nixl_progress_thread,
+        )
         secret, identity = c.side_channel_secret, c.engine_identity
         values = list(tensors.values()) if isinstance(tensors, Mapping) else [tensors]
         memory = MemoryMap(values)  # torch views of the KV storages: packing and digests

@@ -9,6 +9,7 @@ reservation expensive elsewhere).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,12 +36,48 @@ def _nixl_api() -> Any:
     return _api
 
 
-class NixlTransport:
-    """One NIXL agent with our regions registered on it."""
+PROGRESS_THREAD_ENV = "KVSHARE_NIXL_PROGRESS_THREAD"
 
-    def __init__(self, name: str, backends: Sequence[str] = ("UCX",), num_threads: int = 0):
+
+def progress_thread_default() -> bool:
+    """NIXL's own default (on), unless ``KVSHARE_NIXL_PROGRESS_THREAD=0``."""
+    value = os.environ.get(PROGRESS_THREAD_ENV, "1").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{PROGRESS_THREAD_ENV} must be 0 or 1, got {value!r}")
+
+
+class NixlTransport:
+    """One NIXL agent with our regions registered on it.
+
+    ``progress_thread``: NIXL's background thread that progresses UCX while the engine is
+    not calling NIXL. Its Python API starts it with a poll delay of 0, so that thread
+    busy-polls: each agent keeps one CPU core busy even when idle (measured:
+    ``benchmarks/bench_transfer.py --progress-thread``). Without it, UCX moves only while
+    this process calls NIXL, which the engine does every step: READs over cuda_ipc, RDMA
+    or shared memory are one-sided and need nothing of prefill, but where UCX emulates a
+    GET with messages (its TCP transport) a READ needs prefill to progress, which an idle
+    prefill engine (no step running) does not. None: ``progress_thread_default()``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        backends: Sequence[str] = ("UCX",),
+        num_threads: int = 0,
+        progress_thread: bool | None = None,
+    ):
         api = _nixl_api()
-        config = api.nixl_agent_config(backends=list(backends), num_threads=num_threads)
+        self.progress_thread = (
+            progress_thread_default() if progress_thread is None else progress_thread
+        )
+        config = api.nixl_agent_config(
+            enable_prog_thread=self.progress_thread,
+            backends=list(backends),
+            num_threads=num_threads,
+        )
         self._api = api
         self.name = name
         self.agent = api.nixl_agent(name, config)
@@ -49,6 +86,7 @@ class NixlTransport:
         self._registered: list[Any] = []
         self._regions: set[Region] = set()
         self.registered_bytes = 0
+        self._arrived: dict[str, list[bytes]] = {}  # notifications ``progress`` picked up
 
     def register(self, regions: Sequence[Region]) -> None:
         """Register regions once each (a kv_both engine's source and sink share an agent)."""
@@ -137,7 +175,19 @@ class NixlTransport:
             logger.warning("NIXL: notifying %s failed: %s", peer, exc)
 
     def notifications(self) -> dict[str, list[bytes]]:
-        return self.agent.get_new_notifs()
+        arrived, self._arrived = self._arrived, {}
+        for peer, messages in self.agent.get_new_notifs().items():
+            arrived.setdefault(peer, []).extend(messages)
+        return arrived
+
+    def progress(self) -> None:
+        """Without the progress thread, move what UCX has pending (a notification posted
+        to a peer not yet wired up leaves only while this process progresses); what it
+        receives meanwhile is kept for ``notifications``. With the thread: nothing to do."""
+        if self.progress_thread:
+            return
+        for peer, messages in self.agent.get_new_notifs().items():
+            self._arrived.setdefault(peer, []).extend(messages)
 
     def close(self) -> None:
         for descs in self._registered:

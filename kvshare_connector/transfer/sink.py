@@ -249,6 +249,7 @@ class KVSink:
         The engine calls this once per step, so a READ that needs one more look to be seen
         done costs a whole step: a READ posted here is watched for up to ``spin_s``.
         """
+        self.transport.progress()  # e.g. the notification of a read abandoned last step
         self.advance(spin_s)
         self._retry_stuck()
         done, failed = self._done, self._failed

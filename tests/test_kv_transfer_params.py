@@ -1,0 +1,58 @@
+"""``kv_transfer_params`` as decode parses them: every malformed field is named."""
+
+import pytest
+
+from kvshare_connector.transfer import protocol
+
+# ---- kv_transfer_params ---------------------------------------------------------------
+
+DELETE = object()
+GOOD_PARAMS = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [[1, 2], [3]],
+    "remote_engine_id": "prefill-0",
+    "remote_request_id": "req-0",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5600,
+    "tp_size": 1,
+    "remote_num_tokens": 20,
+}
+
+
+def test_good_kv_transfer_params_parse():
+    parsed = protocol.remote_prefill_params(dict(GOOD_PARAMS, extra_field_of_a_proxy="ignored"))
+    assert parsed.remote_block_ids == [[1, 2], [3]]
+    assert parsed.remote_port == 5600
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"remote_block_ids": None}, "remote_block_ids"),
+        ({"remote_block_ids": [1, 2]}, "$.remote_block_ids[0]"),
+        ({"remote_block_ids": [[1, "2"]]}, "$.remote_block_ids[0][1]"),
+        ({"remote_block_ids": [[1, -2]]}, "remote_block_ids"),
+        ({"remote_port": "5600"}, "$.remote_port"),
+        ({"remote_port": 70000}, "remote_port"),
+        ({"remote_engine_id": None}, "$.remote_engine_id"),
+        ({"do_remote_prefill": "yes"}, "$.do_remote_prefill"),
+        ({"tp_size": 0}, "tp_size"),  # TP > 1 is served (issue 16); 0 is not a TP size
+        ({"remote_host": DELETE}, "remote_host"),
+    ],
+)
+def test_malformed_kv_transfer_params_name_the_field(change, field):
+    params = dict(GOOD_PARAMS)
+    for key, value in change.items():
+        if value is DELETE:
+            del params[key]
+        else:
+            params[key] = value
+    with pytest.raises(protocol.KVTransferParamsError) as caught:
+        protocol.remote_prefill_params(params)
+    assert field in str(caught.value)
+
+
+def test_kv_transfer_params_that_are_not_an_object():
+    with pytest.raises(protocol.KVTransferParamsError, match="must be an object, got list"):
+        protocol.remote_prefill_params([GOOD_PARAMS])
