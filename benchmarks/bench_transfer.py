@@ -15,7 +15,8 @@ every owner holds the byte prefill wrote for its owner and position (a sanity ch
 tests/test_transfer.py checks full patterns on every layer).
 
     .venv/bin/python benchmarks/bench_transfer.py [--tokens 65536] [--gib 1.0] [--repeat 7]
-        [--warmup 2] [--progress-thread on|off] [--json results.json]
+        [--warmup 2] [--progress-thread on|off]
+        [--decode-progress-thread on|off] [--json results.json]
 """
 
 from __future__ import annotations
@@ -327,8 +328,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     prefill = spawn_prefill(args, kv_mib, batch)
     try:
         _stack, topology = build(kv_mib)  # while the prefill builds its own
-        transport = NixlTransport(f"bench-decode-{os.getpid()}")
-        transport_thread = transport.progress_thread
+        decode_thread = args.decode_progress_thread or args.progress_thread
+        transport = NixlTransport(
+            f"bench-decode-{os.getpid()}", progress_thread=decode_thread == "on"
+        )
         packer = cpu_packer(_stack, args.packed_mib)
         sink = KVSink("bench-decode", topology, transport, 60.0, 120.0, packer=packer)
         local = disjoint_requests(topology, args.tokens, batch, seed=2)
@@ -400,7 +403,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "verified": bad_segments == 0,
         "bad_segments": bad_segments,
         "ucx_tls": os.environ.get("UCX_TLS", "default"),
-        "nixl_progress_thread": transport_thread,
+        "nixl_progress_thread": {
+            "prefill": args.progress_thread == "on",
+            "decode": transport.progress_thread,
+        },
         "decode_cpu_cores_during_reads": read_cores,
         "decode_cpu_cores_idle": idle_cores,
         "packed_mib": args.packed_mib,
@@ -468,9 +474,11 @@ def report(results: dict[str, Any]) -> str:
     lines.append(f"| memmove rows (local side coalesced alone) | {memmove_rows} |")
     verdict = "yes" if bad_segments == 0 else f"NO: {bad_segments} segment(s) wrong"
     lines.append(f"| every owner block holds prefill's bytes | {verdict} |")
-    thread = "on" if results["nixl_progress_thread"] else "off"
+    threads = results["nixl_progress_thread"]
+    thread = "/".join("on" if threads[side] else "off" for side in ("prefill", "decode"))
     lines.append(
-        f"| NIXL progress thread: decode's CPU cores, during READ rounds / idle | {thread}: "
+        f"| NIXL progress thread prefill/decode; decode's CPU cores in READ rounds / idle "
+        f"| {thread}; "
         f"{results['decode_cpu_cores_during_reads']:.2f} / {results['decode_cpu_cores_idle']:.2f} |"
     )
     lines.append("")
@@ -505,10 +513,15 @@ def main() -> int:
         default="on",
         help="NIXL's progress thread in both processes (on: NIXL's and the connector's default)",
     )
+    parser.add_argument(
+        "--decode-progress-thread",
+        choices=["on", "off"],
+        help="decode's own setting (default: --progress-thread's)",
+    )
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--verbose", action="store_true", help="show the prefill's stderr")
     args = parser.parse_args()
-    if args.role == "main":  # the prefill child inherits it
+    if args.role == "main":  # the prefill child inherits it; decode's is passed explicitly
         os.environ[PROGRESS_THREAD_ENV] = "1" if args.progress_thread == "on" else "0"
     if args.role == "prefill":
         return run_prefill(args)

@@ -17,12 +17,6 @@ os.environ.setdefault(
     "VLLM_CACHE_ROOT",
     os.path.join(os.path.expanduser("~"), ".cache", f"vllm-{importlib.metadata.version('vllm')}"),
 )
-# NIXL agents without NIXL's progress thread, here and in the peers (unless set): NIXL's
-# Python API starts that thread with a poll delay of 0, so each idle agent keeps a core
-# busy. A test process holds a dozen agents and its peers as many, on a 2-core CI box:
-# peers then took over 300 s to start. Tests poll NIXL themselves, as engines do every
-# step; test_transfer.py reads with the thread on too (the product's default).
-os.environ.setdefault("KVSHARE_NIXL_PROGRESS_THREAD", "0")
 
 
 @functools.cache

@@ -46,8 +46,8 @@ def alive():
 @pytest.fixture(scope="module")
 def sink():
     stack, topology = build("g4tiny", "per_layer", 16, 2048)  # kept alive by the fixture
-    made = KVSink(f"peers-{os.getpid()}", topology, NixlTransport(f"peers-{os.getpid()}"),
-                  HANDSHAKE_S, 10.0)  # fmt: skip
+    transport = NixlTransport(f"peers-{os.getpid()}", progress_thread=False)  # peer_env
+    made = KVSink(f"peers-{os.getpid()}", topology, transport, HANDSHAKE_S, 10.0)
     made.peers.retry_s = RETRY_S
     made.test_topology = topology
     yield made

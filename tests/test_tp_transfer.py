@@ -70,7 +70,8 @@ def decode_engine(tp: int, heads: int) -> list[DecodeRank]:
         topology = topology_of(stack)
         shard = rank_shard(topology, tp, rank, heads)
         sink = ShardedSink(
-            shard, topology, engine_id=engine_id, transport=NixlTransport(f"{engine_id}-r{rank}"),
+            shard, topology, engine_id=engine_id,
+            transport=NixlTransport(f"{engine_id}-r{rank}", progress_thread=False),  # peer_env
             handshake_timeout_s=20.0, transfer_timeout_s=20.0,
         )  # fmt: skip
         ranks.append(DecodeRank(stack, topology, shard, sink))

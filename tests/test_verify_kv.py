@@ -60,7 +60,7 @@ class Decode:
         self.sink = KVSink(
             name,
             self.topology,
-            NixlTransport(name),
+            NixlTransport(name, progress_thread=False),  # see transfer_peer.peer_env
             10.0,
             10.0,
             packer=cpu_packer(self.stack, packed_mib),

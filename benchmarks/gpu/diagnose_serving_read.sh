@@ -4,7 +4,8 @@
 # READs ran at 0.40-0.43 GB/s, the rate of UCX's non-cuda_ipc lane, where the standalone
 # benchmark of the same memory kind reached ~1 TB/s. This runs both with UCX's lane logs on:
 #   OUT/standalone.md    bench_nixl_read.py, cudaMalloc memory, both processes on PREFILL_GPU
-#   OUT/serving/         bench_serving.py: ours and NixlConnector, 1P1D, 8 requests at c=1
+#   OUT/serving/         bench_serving.py: ours (NIXL's progress thread on, and off: it
+#                        busy-polls a core per agent) and NixlConnector, 1P1D, 8 requests, c=1
 #   OUT/lanes.md         per engine: UCX's endpoint lanes, the protocol chosen for reads of
 #                        GPU memory, and any line saying cuda_ipc could not export memory
 #   bash benchmarks/gpu/diagnose_serving_read.sh OUT MODEL_DIR [PREFILL_GPU [DECODE_GPU]]
@@ -33,7 +34,8 @@ grep -E '^\|' "$OUT/standalone.md" | head -12
 echo "== vllm serve: ours and NixlConnector, UCX lane logs on"
 # shellcheck disable=SC2086
 timeout 420 python3 benchmarks/gpu/bench_serving.py --model-dir "$MODEL" --out "$OUT/serving" \
-  --deployments ours nixl --prefill-gpu "$PGPU" --decode-gpu "$DGPU" --gpu-mem 0.2 \
+  --deployments ours nixl --ours-variants thread={} 'nothread={"nixl_progress_thread":false}' \
+  --prefill-gpu "$PGPU" --decode-gpu "$DGPU" --gpu-mem 0.13 \
   --kv-cache-gib 5 --enforce-eager --input-len 2048 --concurrency 1 --num-prompts 8 \
   --output-len 16 --rounds 1 --warmup-requests 2 --time-budget 360 --grace 10 --keep-raw \
   --engine-env $UCX_LOGS > "$OUT/serving.log" 2>&1

@@ -56,10 +56,12 @@ class NixlTransport:
     not calling NIXL. Its Python API starts it with a poll delay of 0, so that thread
     busy-polls: each agent keeps one CPU core busy even when idle (measured:
     ``benchmarks/bench_transfer.py --progress-thread``). Without it, UCX moves only while
-    this process calls NIXL, which the engine does every step: READs over cuda_ipc, RDMA
-    or shared memory are one-sided and need nothing of prefill, but where UCX emulates a
-    GET with messages (its TCP transport) a READ needs prefill to progress, which an idle
-    prefill engine (no step running) does not. None: ``progress_thread_default()``.
+    this process calls NIXL, which an engine does in its steps. The data of a READ over
+    cuda_ipc, RDMA or shared memory needs nothing of prefill, but the first READ between
+    two agents wires UCX's connection up, and UCX's TCP transport emulates a GET with
+    messages: both need prefill to progress, which an idle prefill engine (no step running)
+    does not, and the READ waits (seen: tests/test_kv_probe.py, prefill and decode in one
+    process, stalled with it off). None: ``progress_thread_default()``.
     """
 
     def __init__(

@@ -132,10 +132,12 @@ class TPPeer:
     """The test side: starts the process, collects its lines (bounded waits)."""
 
     def __init__(self, engines: list[dict[str, Any]]):
+        from .transfer_peer import peer_env
+
         self.process = subprocess.Popen(
             [sys.executable, __file__, "--engines", json.dumps(engines)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            env=peer_env(),
         )  # fmt: skip
         self.ready: dict[str, dict[str, Any]] = {}
         self.released: list[dict[str, Any]] = []

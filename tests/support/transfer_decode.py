@@ -45,7 +45,7 @@ class Decoder:
         name: str,
         identity: EngineIdentity | None = None,
         packed_mib: int = 0,
-        progress_thread: bool | None = None,
+        progress_thread: bool = False,
     ):
         from kvshare_connector.transfer.nixl import NixlTransport
         from kvshare_connector.transfer.sink import KVSink
@@ -112,7 +112,7 @@ def decoder_pool():
         handshake_s=HANDSHAKE_S,
         identity: EngineIdentity | None = None,
         packed_mib: int = 0,
-        progress_thread: bool | None = None,
+        progress_thread: bool = False,  # off: see transfer_peer.peer_env; tests poll
     ):
         kv_mib = kv_mib or DECODE_KV_MIB[model]
         key = (model, layout, kv_mib, handshake_s, repr(identity), packed_mib, progress_thread)

@@ -197,6 +197,20 @@ if __name__ == "__main__":
 # ---- the test side ------------------------------------------------------------------------
 
 
+def peer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A test peer's environment: its NIXL agents run without NIXL's progress thread unless
+    the caller says otherwise. NIXL's Python API starts that thread with a poll delay of 0,
+    so each idle agent keeps a core busy; a peer holds up to seven agents and the test
+    process a dozen, and on a 2-core CI box peers then took over 300 s to start. A peer
+    polls its sources all the time, which progresses them (the connector's engines keep
+    the thread on by default: tests/test_kv_probe.py, test_connector.py)."""
+    from kvshare_connector.transfer.nixl import PROGRESS_THREAD_ENV
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault(PROGRESS_THREAD_ENV, "0")
+    return {**env, **(extra or {})}
+
+
 class PeerProcess:
     """A running ``transfer_peer.py``: its lines are read by a thread, so waits are bounded
     and a chatty peer never blocks on a full pipe."""
@@ -212,7 +226,7 @@ class PeerProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
+            env=peer_env(env),
         )
         self.ready: dict[str, dict[str, Any]] = {}
         self.released: list[dict[str, Any]] = []
@@ -265,9 +279,12 @@ class PeerProcess:
                 self._changed.wait(min(left, 0.1))
 
     def source(self, name: str, timeout_s: float = 300.0) -> dict[str, Any]:
-        """The READY description of source ``name`` (waits for it: a peer building many
-        vLLM stacks on a loaded 2-core box can take minutes)."""
-        return self._wait(lambda: self.ready.get(name), timeout_s, f"source {name} ready")
+        """The READY description of source ``name``, once the peer polls all its sources
+        (waits for that: a peer building many vLLM stacks on a loaded 2-core box can take
+        minutes, and UCX wires a first READ up only while the peer progresses)."""
+        info = self._wait(lambda: self.ready.get(name), timeout_s, f"source {name} ready")
+        self._wait(self.all_ready.is_set, timeout_s, "all sources ready")
+        return info
 
     def request(self, name: str, index: int) -> dict[str, Any]:
         return self.source(name)["requests"][index]
