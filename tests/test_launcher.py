@@ -254,7 +254,14 @@ def test_stop_escalates_to_sigkill(tmp_path: Path) -> None:
     assert _gone([stubborn.pid])
 
 
-def _serve_pd_cli(tmp_path: Path, ready: Path) -> subprocess.Popen[bytes]:
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _serve_pd_cli(
+    tmp_path: Path, ready: Path, sigint_ignored: bool = False
+) -> subprocess.Popen[bytes]:
+    """``sigint_ignored``: start it as ``cmd &`` in a script would (SIGINT inherited ignored)."""
     ports = _ports()
     argv = [
         sys.executable,
@@ -288,7 +295,13 @@ def _serve_pd_cli(tmp_path: Path, ready: Path) -> subprocess.Popen[bytes]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=_ignore_sigint if sigint_ignored else None,
     )
+
+
+def _log_tails(log_dir: str) -> str:
+    logs = sorted(Path(log_dir).glob("*"))
+    return "; ".join(f"{p.name}: {p.read_text(errors='replace')[-600:]!r}" for p in logs)
 
 
 def _wait_ready(proc: subprocess.Popen[bytes], ready: Path) -> dict:
@@ -301,9 +314,11 @@ def _wait_ready(proc: subprocess.Popen[bytes], ready: Path) -> dict:
     return json.loads(ready.read_text())
 
 
-def test_cli_serve_pd_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["foreground", "background"])
+def test_cli_serve_pd_stops_everything_on_ctrl_c(tmp_path: Path, sigint_ignored: bool) -> None:
+    """Also when started in the background (SIGINT inherited ignored): CI runs it so."""
     ready = tmp_path / "ready.json"
-    proc = _serve_pd_cli(tmp_path, ready)
+    proc = _serve_pd_cli(tmp_path, ready, sigint_ignored)
     try:
         info = _wait_ready(proc, ready)
         assert [p["name"] for p in info["processes"]] == ["prefill0", "decode0", "proxy"]
@@ -315,7 +330,13 @@ def test_cli_serve_pd_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
         launch = httpx.get(decode_url + "/debug/launch", timeout=5).json()
         assert launch["unknown_args"][-1] == "--enforce-eager"  # args after `--` reach vllm
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=15)
+        try:
+            out, _ = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(
+                "serve-pd did not stop on SIGINT within 15 s; "
+                f"output: {(exc.output or b'').decode()}\nlogs: {_log_tails(info['log_dir'])}"
+            ) from exc
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -116,8 +116,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
     def on_signal(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, on_signal)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
     client = BenchClient(raw, args.bench_cmd, args.bench_impl)
     vocab = sampled or model_vocab(model_dir)
     runner = Runner(args, planned, tokenizer, raw, client, vocab)
@@ -146,6 +145,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
         if (raw / "runs.jsonl").exists():
             serving_report.write_report(out)
         serving_report.pack(out, args.keep_raw)
+        for sig, handler in previous.items():  # as the caller had them (tests call main)
+            signal.signal(sig, handler)
     for name in ("summary.md", "faults.md"):
         if (out / name).exists():
             print((out / name).read_text())

@@ -389,7 +389,10 @@ def run_foreground(deployment: Deployment, ready_file: Path | None = None) -> in
     def to_interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, to_interrupt)
+    # SIGINT too: a process started in the background by a non-interactive shell (`cmd &`,
+    # CI runners) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt.
+    stop_signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, to_interrupt) for sig in stop_signals}
     try:
         try:
             deployment.start()
@@ -425,4 +428,5 @@ def run_foreground(deployment: Deployment, ready_file: Path | None = None) -> in
         print("kvshare: stopped", flush=True)
         return 0
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
