@@ -346,14 +346,14 @@ with open(args.result_dir + "/" + args.result_filename, "w") as f:
 
 @pytest.mark.slow
 def test_whole_run_with_fake_servers(tmp_path: Path, model_dir: Path) -> None:
-    from kvshare_connector.toolkit.procs import pick_free_port
+    from kvshare_connector.toolkit.procs import free_port_run, pick_free_port
 
     script = tmp_path / "fake_bench.py"
     script.write_text(FAKE_BENCH)
     out = tmp_path / "out"
     tok = tmp_path / "tok"
     tok.mkdir()
-    base = pick_free_port()
+    base = free_port_run(3 * bs.PORT_STRIDE)  # ours, nixl, colocated number ports up from it
     rc = bs.main(
         ["--out", str(out), "--model-dir", str(model_dir), "--tokenizer", str(tok),
          "--input-len", "16", "--output-len", "4", "--num-prompts", "1", "--concurrency", "1",
@@ -400,12 +400,12 @@ def _procs_mentioning(text: str) -> list[int]:
 
 @pytest.mark.slow
 def test_sigterm_stops_servers_and_bench(tmp_path: Path, model_dir: Path) -> None:
-    from kvshare_connector.toolkit.procs import pick_free_port
+    from kvshare_connector.toolkit.procs import free_port_run, pick_free_port
 
     out = tmp_path / "out"
     tok = tmp_path / "tok"
     tok.mkdir()
-    base = pick_free_port()
+    base = free_port_run(bs.PORT_STRIDE)
     cmd = [
         sys.executable, str(ROOT / "benchmarks/gpu/bench_serving.py"), "--out", str(out),
         "--model-dir", str(model_dir), "--tokenizer", str(tok), "--deployments", "ours",

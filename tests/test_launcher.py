@@ -29,6 +29,7 @@ from kvshare_connector.toolkit.launcher import (
 from kvshare_connector.toolkit.procs import (
     LaunchError,
     ManagedProcess,
+    free_port_run,
     pick_free_port,
     stop_processes,
 )
@@ -407,6 +408,25 @@ def test_wait_for_port_returns_once_listening_and_names_a_dead_or_silent_server(
         wait_for_port("127.0.0.1", port, 0.3)
     with pytest.raises(RuntimeError, match="exited before listening"):
         wait_for_port("127.0.0.1", port, 30, alive=lambda: False)
+
+
+def test_free_port_run_is_below_the_ephemeral_range_and_skips_a_taken_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import random
+    import socket
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    base = free_port_run(8)
+    assert base >= 10000 and base + 8 <= ephemeral_low
+    # Take the middle port of that run: a second pick starting there must move on.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", base + 4))
+        taken.listen()
+        starts = iter([base, base + 4, base + 100])
+        monkeypatch.setattr(random, "randrange", lambda lo, hi: next(starts))
+        assert free_port_run(8) == base + 100
 
 
 def test_write_atomic_replaces_whole_and_leaves_no_temporary(tmp_path: Path) -> None:

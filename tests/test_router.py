@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from kvshare_connector.toolkit.launcher import (
+    SIDE_CHANNEL_STRIDE,
     EngineSpec,
     ServeConfig,
     pd_deployment,
@@ -33,7 +34,12 @@ from kvshare_connector.toolkit.launcher import (
     start_waves,
     vllm_router_available,
 )
-from kvshare_connector.toolkit.procs import ManagedProcess, pick_free_port, stop_processes
+from kvshare_connector.toolkit.procs import (
+    ManagedProcess,
+    free_port_run,
+    pick_free_port,
+    stop_processes,
+)
 from kvshare_connector.toolkit.procs import wait_healthy as wait_ok
 from kvshare_connector.transfer.protocol import (
     NOTIF_DONE,
@@ -237,8 +243,9 @@ def test_router_answers_to_prefill_failures(tmp_path: Path) -> None:
 def test_serve_pd_2p2d_with_router_subprocesses(tmp_path: Path) -> None:
     cfg = ServeConfig(
         model="fake-model", server_cmd=FAKE_CMD, log_dir=tmp_path, num_prefill=2, num_decode=2,
-        router="vllm-router", port=pick_free_port(), prefill_port=pick_free_port(),
-        decode_port=pick_free_port(), side_channel_port=pick_free_port(), ready_timeout=30,
+        router="vllm-router", port=pick_free_port(), prefill_port=free_port_run(2),
+        decode_port=free_port_run(2), side_channel_port=free_port_run(4 * SIDE_CHANNEL_STRIDE),
+        ready_timeout=30,
         grace=5,
     )  # fmt: skip
     # The launcher numbers ports up from the first one of each role.

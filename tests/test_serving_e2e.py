@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 import bench_serving as bs  # noqa: E402
 
 from kvshare_connector.toolkit.launcher import vllm_router_available  # noqa: E402
-from kvshare_connector.toolkit.procs import pick_free_port  # noqa: E402
+from kvshare_connector.toolkit.procs import free_port_run, pick_free_port  # noqa: E402
 
 FAKE = ROOT / "tests" / "support" / "fake_vllm_server.py"
 FAKE_CMD = (
@@ -81,7 +81,8 @@ def _common(tmp_path: Path, monkeypatch: Any) -> list[str]:
     tok.mkdir()
     return [
         "--model-dir", str(model), "--tokenizer", str(tok), "--server-cmd", FAKE_CMD,
-        "--bench-impl", "fake_bench_impl:run", "--base-port", str(pick_free_port()),
+        "--bench-impl", "fake_bench_impl:run",
+        "--base-port", str(free_port_run(3 * bs.PORT_STRIDE)),  # deployments number up from it
         "--side-channel-port", str(pick_free_port()), "--ready-timeout", "60", "--grace", "5",
         "--warmup-requests", "2", "--warmup-tokens", "4",
     ]  # fmt: skip

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,6 +32,34 @@ def pick_free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
+    """The first of ``count`` consecutive unused TCP ports, below the kernel's ephemeral
+    range. The launcher and the benchmarks number ports up from a base; a base from
+    ``pick_free_port`` lies in the ephemeral range, where the ports after it are what the
+    kernel hands out next to client sockets and other picks (seen: a fake server that could
+    not bind its port in CI). Racy by nature, like ``pick_free_port``."""
+    top = _ephemeral_low() - count
+    for _ in range(attempts):
+        base = random.randrange(10000, top)
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + count):
+                    sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    sock.bind((host, port))
+            except OSError:
+                continue
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports on {host}")
 
 
 class ManagedProcess:

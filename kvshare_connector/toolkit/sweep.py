@@ -40,12 +40,13 @@ import httpx
 
 from kvshare_connector.toolkit.launcher import (
     LAYOUTS,
+    SIDE_CHANNEL_STRIDE,
     ServeConfig,
     colocated_deployment,
     pd_deployment,
 )
 from kvshare_connector.toolkit.lmeval import EvalError, EvalSpec, agreement, run_lm_eval
-from kvshare_connector.toolkit.procs import LaunchError, pick_free_port
+from kvshare_connector.toolkit.procs import LaunchError, free_port_run, pick_free_port
 from kvshare_connector.toolkit.report import write_reports
 
 logger = logging.getLogger(__name__)
@@ -287,15 +288,17 @@ def evaluate_entry(
     try:
         model, served, model_args = prepare_model(entry, models_dir)
         record["config"]["model"] = model
+        engines = len(entry.prefill_gpus) + len(entry.decode_gpus)
         for side in (["baseline"] if entry.baseline else []) + ["pd"]:
             host = "127.0.0.1"
             cfg = ServeConfig(
                 model=model,
                 host=host,
                 port=pick_free_port(host),
-                prefill_port=pick_free_port(host),
-                decode_port=pick_free_port(host),
-                side_channel_port=pick_free_port(host),
+                # The launcher numbers each role's ports up from these.
+                prefill_port=free_port_run(len(entry.prefill_gpus), host),
+                decode_port=free_port_run(len(entry.decode_gpus), host),
+                side_channel_port=free_port_run(SIDE_CHANNEL_STRIDE * engines, host),
                 prefill_gpus=entry.prefill_gpus,
                 decode_gpus=entry.decode_gpus,
                 gpu_memory_utilization=entry.gpu_memory_utilization,
