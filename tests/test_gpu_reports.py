@@ -17,7 +17,7 @@ RAW = ROOT / "results" / "gpu" / "2026-11-29b" / "raw"
 sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 
 import bench_pd_gpu  # noqa: E402
-import gpu_pd_e2e  # noqa: E402
+import driver_processes  # noqa: E402
 import gpu_pd_e2e_report as e2e_report  # noqa: E402
 
 
@@ -128,10 +128,10 @@ def test_bench_reports_the_triton_kernels_each_run_compiled(tmp_path, monkeypatc
     assert "| nixl:g4tiny/plain | 1.241 |" in old and old.splitlines()[2].endswith("| - |")
     cache = tmp_path / "triton"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
-    assert gpu_pd_e2e.triton_cache_entries() == 0  # no cache yet
+    assert driver_processes.triton_cache_entries() == 0  # no cache yet
     for key in ("a1", "b2", "c3"):  # Triton keeps one directory per compiled kernel
         (cache / key).mkdir(parents=True)
-    assert gpu_pd_e2e.triton_cache_entries() == 3
+    assert driver_processes.triton_cache_entries() == 3
 
 
 FOURTH = ROOT / "results" / "gpu" / "2026-11-29d" / "raw"
@@ -192,9 +192,9 @@ def test_a_rerun_starts_from_a_work_dir_without_earlier_outputs(tmp_path):
     work = tmp_path / "g4tiny__plain"
     (work / "g4tiny").mkdir(parents=True)
     (work / "g4tiny" / "config.json").write_text("{}")
-    for name in gpu_pd_e2e.RUN_OUTPUTS:
+    for name in driver_processes.RUN_OUTPUTS:
         (work / name).write_text("from an earlier run")
-    gpu_pd_e2e.fresh_work_dir(work)
+    driver_processes.fresh_work_dir(work)
     assert sorted(p.name for p in work.iterdir()) == ["g4tiny"]
     assert (work / "g4tiny" / "config.json").exists()
 
@@ -202,7 +202,7 @@ def test_a_rerun_starts_from_a_work_dir_without_earlier_outputs(tmp_path):
 def test_a_stopped_driver_takes_its_engines_with_it():
     """Engines run in their own sessions; what the driver started goes when it stops, child
     processes included, so no engine keeps GPU memory into the next command."""
-    proc = gpu_pd_e2e._started(
+    proc = driver_processes.started(
         subprocess.Popen(
             ["bash", "-c", "sleep 60 & echo $! ; wait"],
             stdout=subprocess.PIPE,
@@ -211,8 +211,8 @@ def test_a_stopped_driver_takes_its_engines_with_it():
         )
     )
     grandchild = int(proc.stdout.readline())
-    gpu_pd_e2e.stop_started_processes()
-    assert proc.poll() == -9 and not gpu_pd_e2e._STARTED
+    driver_processes.stop_started_processes()
+    assert proc.poll() == -9 and not driver_processes._STARTED
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and _alive(grandchild):
         time.sleep(0.05)
@@ -236,9 +236,10 @@ def test_sigterm_to_the_driver_stops_its_engines():
         [
             sys.executable,
             "-c",
-            "import subprocess, sys, time; sys.path.insert(0, sys.argv[1]); import gpu_pd_e2e as e;"
+            "import subprocess, sys, time; sys.path.insert(0, sys.argv[1]);"
+            "import driver_processes as e;"
             "e.stop_with_the_driver();"
-            "p = e._started(subprocess.Popen(['sleep', '60'], start_new_session=True));"
+            "p = e.started(subprocess.Popen(['sleep', '60'], start_new_session=True));"
             "print(p.pid, flush=True); time.sleep(60)",
             str(ROOT / "benchmarks" / "gpu"),
         ],

@@ -33,6 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_pd_e2e as e2e
+from driver_processes import stop_with_the_driver
 from gpu_pd_e2e_report import cell_succeeded
 
 BENCH_CELLS = [
@@ -329,7 +330,7 @@ def main() -> None:
         print(report(*map(Path, args.report)))
         return
     out = Path(args.out)
-    e2e.stop_with_the_driver()
+    stop_with_the_driver()
     # Host-level first-use costs (Triton's kernels compiled and cached on disk, ...) go to
     # untimed engines: a colocated one did not take away the first PD cell's slow first
     # batch (3.4 s after it), so one PD cell per connector runs untimed too.

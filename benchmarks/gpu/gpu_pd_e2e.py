@@ -21,7 +21,6 @@ import contextlib
 import fcntl
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -29,6 +28,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from driver_processes import (
+    fresh_work_dir,
+    started,
+    stop_started_processes,
+    stop_with_the_driver,
+    triton_cache_entries,
+    wait,
+)
 from gpu_pd_e2e_report import report
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -325,7 +332,7 @@ def spawn(
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
     }
     # Own process group per engine: kvcached names its IPC segments after it.
-    return _started(
+    return started(
         subprocess.Popen(
             cmd,
             stdout=log.open("w"),
@@ -337,75 +344,6 @@ def spawn(
     )
 
 
-# What an engine of a cell or a baseline leaves in its work directory. A rerun into the same
-# --out must not find them: a stale ``stop`` ends the new prefill engine as soon as it is up
-# (and the decode engine's memory profiling then fails, the GPU's free memory having grown),
-# a stale ``prefill.json`` hands decode old transfer parameters, a stale result reads as
-# this run's.
-RUN_OUTPUTS = (
-    "stop",
-    "prefill.json",
-    "prefill.result.json",
-    "decode.result.json",
-    "baseline.result.json",
-    "reads.jsonl",
-    "cell.json",
-    "baseline.json",
-)
-
-
-def fresh_work_dir(work: Path) -> Path:
-    """``work`` without any earlier run's outputs (the model directory is kept)."""
-    work.mkdir(parents=True, exist_ok=True)
-    for name in RUN_OUTPUTS:
-        (work / name).unlink(missing_ok=True)
-    return work
-
-
-# Every process this driver started, each in its own session: a driver that is stopped or
-# crashes must not leave engines holding GPU memory into the next command on the host.
-_STARTED: set[subprocess.Popen] = set()
-
-
-def _started(proc: subprocess.Popen) -> subprocess.Popen:
-    _STARTED.add(proc)
-    return proc
-
-
-def stop_started_processes() -> None:
-    for proc in list(_STARTED):
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        _STARTED.discard(proc)
-
-
-def stop_with_the_driver() -> None:
-    """On SIGTERM (what `timeout` sends) stop every started process, then exit."""
-
-    def exit_on_signal(signum: int, _frame: object) -> None:
-        stop_started_processes()
-        os._exit(128 + signum)
-
-    signal.signal(signal.SIGTERM, exit_on_signal)
-
-
-def wait(proc: subprocess.Popen, timeout_s: float) -> int:
-    try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        return -9
-
-
-def triton_cache_entries() -> int:
-    """Kernels in Triton's on-disk cache: what an engine adds there, it compiled (loads from
-    the cache add nothing), the one-time cost a first batch can carry on a fresh host."""
-    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
-    return sum(1 for _ in root.iterdir()) if root.is_dir() else 0
-
-
 def run_cell(name: str, out: Path, port: int, mem: float, timeout_s: float) -> dict[str, Any]:
     cell = CELLS[name]
     work = fresh_work_dir(out / name.replace("/", "__").replace(":", "_"))
@@ -413,7 +351,7 @@ def run_cell(name: str, out: Path, port: int, mem: float, timeout_s: float) -> d
     server = None
     if cell.get("backend") == "lmcache":  # an lm:// server between the two engines
         lm_port = port + 5
-        server = _started(
+        server = started(
             subprocess.Popen(
                 [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(lm_port), "cpu"],
                 stdout=(work / "lmcache_server.log").open("w"),
