@@ -49,8 +49,9 @@ def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 200) -> i
     kernel hands out next to client sockets and other picks (seen: a fake server that could
     not bind its port in CI). Racy by nature, like ``pick_free_port``."""
     top = _ephemeral_low() - count
+    bottom = 10000 if top > 11000 else 1024  # a host whose ephemeral range starts low
     for _ in range(attempts):
-        base = random.randrange(10000, top)
+        base = random.randrange(bottom, max(top, bottom + 1))
         with contextlib.ExitStack() as stack:
             try:
                 for port in range(base, base + count):
