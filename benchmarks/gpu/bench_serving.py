@@ -59,6 +59,8 @@ from serving.deployments import (  # noqa: E402, F401
 )
 from serving.runs import Runner  # noqa: E402
 
+from kvshare_connector.toolkit.procs import signals_interrupt  # noqa: E402
+
 MODES = ("rounds", "scaling", "faults")
 #: Per-mode defaults of the options left unset (None) on the command line.
 MODE_DEFAULTS = {
@@ -113,40 +115,35 @@ def run_benchmark(args: argparse.Namespace) -> int:
     (raw / "meta.json").write_text(json.dumps(meta, indent=1))
     (raw / "deployments.json").write_text(json.dumps(describe(planned), indent=1))
 
-    def on_signal(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
     client = BenchClient(raw, args.bench_cmd, args.bench_impl)
     vocab = sampled or model_vocab(model_dir)
     runner = Runner(args, planned, tokenizer, raw, client, vocab)
     runner.t0 = t_start  # the time budget counts from the command's start
     interrupted, rc = False, 0
-    try:
-        client.start()  # its vLLM import overlaps the engines' startup
-        if args.mode == "rounds":
-            runner.run_rounds()
-        elif args.mode == "scaling":
-            from serving.scaling import run_scaling
+    with signals_interrupt(signal.SIGTERM, signal.SIGHUP):
+        try:
+            client.start()  # its vLLM import overlaps the engines' startup
+            if args.mode == "rounds":
+                runner.run_rounds()
+            elif args.mode == "scaling":
+                from serving.scaling import run_scaling
 
-            run_scaling(runner)
-        else:
-            from serving.faults import run_faults
+                run_scaling(runner)
+            else:
+                from serving.faults import run_faults
 
-            rc = run_faults(runner, out)
-    except KeyboardInterrupt:
-        interrupted = True
-        print("[bench] interrupted: stopping everything", flush=True)
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the cleanup below must finish
-        client.close()
-        runner.stop_all()
-        (raw / "broken.json").write_text(json.dumps(runner.broken, indent=1))
-        if (raw / "runs.jsonl").exists():
-            serving_report.write_report(out)
-        serving_report.pack(out, args.keep_raw)
-        for sig, handler in previous.items():  # as the caller had them (tests call main)
-            signal.signal(sig, handler)
+                rc = run_faults(runner, out)
+        except KeyboardInterrupt:
+            interrupted = True
+            print("[bench] interrupted: stopping everything", flush=True)
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the cleanup below must finish
+            client.close()
+            runner.stop_all()
+            (raw / "broken.json").write_text(json.dumps(runner.broken, indent=1))
+            if (raw / "runs.jsonl").exists():
+                serving_report.write_report(out)
+            serving_report.pack(out, args.keep_raw)
     for name in ("summary.md", "faults.md"):
         if (out / name).exists():
             print((out / name).read_text())

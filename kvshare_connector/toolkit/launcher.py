@@ -37,6 +37,7 @@ from kvshare_connector.toolkit.procs import (
     LaunchError,
     ManagedProcess,
     pick_free_port,
+    signals_interrupt,
     stop_processes,
     wait_healthy,
 )
@@ -386,47 +387,38 @@ def run_foreground(deployment: Deployment, ready_file: Path | None = None) -> in
     """Start, print the endpoint, and block until Ctrl-C/SIGTERM or a server dies."""
     import signal
 
-    def to_interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    # SIGINT too: a process started in the background by a non-interactive shell (`cmd &`,
-    # CI runners) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt.
-    stop_signals = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.signal(sig, to_interrupt) for sig in stop_signals}
     try:
-        try:
-            deployment.start()
-        except LaunchError as exc:
-            logger.error("%s", exc)
-            return 1
-        info = deployment.describe()
-        print(
-            f"kvshare: ready; OpenAI endpoint {info['endpoint']}/v1 "
-            f"(model {info['model']!r}); logs in {info['log_dir']}; Ctrl-C stops",
-            flush=True,
-        )
-        if ready_file is not None:
-            # Readers poll for the file: it must appear whole.
-            write_atomic(ready_file, json.dumps(info, indent=2))
-        try:
-            while True:
-                dead = deployment.dead()
-                if dead:
-                    for p in dead:
-                        logger.error(
-                            "%s exited (code %s); log %s:\n%s",
-                            p.name,
-                            p.proc.returncode if p.proc else None,
-                            p.log_path,
-                            p.log_tail(),
-                        )
-                    return 1
-                time.sleep(0.5)
-        finally:
-            deployment.stop()
+        with signals_interrupt(signal.SIGINT, signal.SIGTERM):
+            try:
+                deployment.start()
+            except LaunchError as exc:
+                logger.error("%s", exc)
+                return 1
+            info = deployment.describe()
+            print(
+                f"kvshare: ready; OpenAI endpoint {info['endpoint']}/v1 "
+                f"(model {info['model']!r}); logs in {info['log_dir']}; Ctrl-C stops",
+                flush=True,
+            )
+            if ready_file is not None:
+                # Readers poll for the file: it must appear whole.
+                write_atomic(ready_file, json.dumps(info, indent=2))
+            try:
+                while True:
+                    dead = deployment.dead()
+                    if dead:
+                        for p in dead:
+                            logger.error(
+                                "%s exited (code %s); log %s:\n%s",
+                                p.name,
+                                p.proc.returncode if p.proc else None,
+                                p.log_path,
+                                p.log_tail(),
+                            )
+                        return 1
+                    time.sleep(0.5)
+            finally:
+                deployment.stop()
     except KeyboardInterrupt:
         print("kvshare: stopped", flush=True)
         return 0
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

@@ -15,7 +15,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -32,6 +32,25 @@ def pick_free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def signals_interrupt(*signals: int) -> Iterator[None]:
+    """Inside the block, each of ``signals`` raises KeyboardInterrupt; the caller's handlers
+    come back afterwards (tests run these entry points in-process). Name SIGINT explicitly
+    where Ctrl-C must stop the block: a process started in the background by a
+    non-interactive shell (``cmd &``, CI runners) inherits SIGINT ignored, and Python then
+    installs no KeyboardInterrupt for it."""
+
+    def to_interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, to_interrupt) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _ephemeral_low() -> int:

@@ -176,20 +176,21 @@ class NixlTransport:
         except Exception as exc:
             logger.warning("NIXL: notifying %s failed: %s", peer, exc)
 
-    def notifications(self) -> dict[str, list[bytes]]:
-        arrived, self._arrived = self._arrived, {}
+    def _collect(self) -> None:
         for peer, messages in self.agent.get_new_notifs().items():
-            arrived.setdefault(peer, []).extend(messages)
+            self._arrived.setdefault(peer, []).extend(messages)
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        self._collect()
+        arrived, self._arrived = self._arrived, {}
         return arrived
 
     def progress(self) -> None:
         """Without the progress thread, move what UCX has pending (a notification posted
         to a peer not yet wired up leaves only while this process progresses); what it
         receives meanwhile is kept for ``notifications``. With the thread: nothing to do."""
-        if self.progress_thread:
-            return
-        for peer, messages in self.agent.get_new_notifs().items():
-            self._arrived.setdefault(peer, []).extend(messages)
+        if not self.progress_thread:
+            self._collect()
 
     def close(self) -> None:
         for descs in self._registered:
