@@ -8,21 +8,16 @@ model forward is emulated (it writes a known pattern into the blocks vLLM alloca
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvshare_connector.toolkit.procs import pick_free_port
+
 from .support.engine_sim import READY, RESULT, Engine, decode_requests, start_prefill
 
 ROOT = str(Path(__file__).resolve().parents[1])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- loading -----------------------------------------------------------------------------
@@ -54,7 +49,7 @@ def test_factory_loads_by_name_and_by_module_path():
 @pytest.fixture(scope="module")
 def prefill_engine():
     """A prefill engine (g4tiny: 6 KV cache groups, 4 sharers) that served 3 requests."""
-    port = free_port()
+    port = pick_free_port()
     child = start_prefill(port, 300, 3, "--lease-s", "60", cwd=ROOT)
     try:
         yield child, child.wait_json(READY, 180)
@@ -85,7 +80,9 @@ def test_pd_transfer_through_vllm_scheduler(prefill_engine, engines, tmp_path):
         assert params["do_remote_prefill"] is True and len(params["remote_block_ids"]) == 6
 
     read_log = tmp_path / "reads.jsonl"
-    decode = engines("g4tiny", "per_layer", "kv_consumer", free_port(), {"read_log": str(read_log)})
+    decode = engines(
+        "g4tiny", "per_layer", "kv_consumer", pick_free_port(), {"read_log": str(read_log)}
+    )
     good = {rid: requests[rid] for rid in ("p0", "p1")}
     report = decode_requests(decode, good, 300)
 
@@ -125,11 +122,11 @@ def test_unreachable_prefill_and_malformed_params_are_computed_locally(engines):
         "g4tiny",
         "per_layer",
         "kv_consumer",
-        free_port(),
+        pick_free_port(),
         {"handshake_timeout_s": 1.0, "transfer_timeout_s": 2.0},
         failure_policy="recompute",
     )
-    dead_port = free_port()  # nothing listens here
+    dead_port = pick_free_port()  # nothing listens here
     unreachable = {
         "do_remote_prefill": True,
         "remote_block_ids": [[1, 2]] * 6,
@@ -158,7 +155,7 @@ def test_unreachable_prefill_and_malformed_params_are_computed_locally(engines):
 
 
 def test_decode_that_never_comes_releases_the_lease():
-    port = free_port()
+    port = pick_free_port()
     child = start_prefill(port, 200, 2, "--lease-s", "2", cwd=ROOT)
     try:
         child.wait_json(READY, 180)
@@ -171,11 +168,11 @@ def test_decode_that_never_comes_releases_the_lease():
 
 
 def test_cross_layer_blocks_pd_transfer(engines):
-    port = free_port()
+    port = pick_free_port()
     child = start_prefill(port, 250, 1, "--model", "g4uniform", "--layout", "cross_layer", cwd=ROOT)
     try:
         ready = child.wait_json(READY, 180)
-        decode = engines("g4uniform", "per_layer", "kv_consumer", free_port())
+        decode = engines("g4uniform", "per_layer", "kv_consumer", pick_free_port())
         assert decode.topology.layout in ("per_layer", "LBNHC")  # 0.33: vLLM's pick
         decode_requests(decode, ready["requests"], 250)
         assert decode.loaded == {"d0": []}
@@ -201,7 +198,7 @@ def test_pd_through_lmcache_backend(monkeypatch, engines):
     with running_lm_server() as url:
         child = None
         try:
-            child = start_prefill(free_port(), 300, 2, "--lmcache-url", url, cwd=ROOT)
+            child = start_prefill(pick_free_port(), 300, 2, "--lmcache-url", url, cwd=ROOT)
             ready = child.wait_json(READY, 180)
             for info in ready["requests"].values():
                 assert info["kv_transfer_params"]["kvshare_backend"] == "lmcache"
@@ -209,7 +206,9 @@ def test_pd_through_lmcache_backend(monkeypatch, engines):
             assert result["free_blocks"] == result["total_blocks"]  # prefill held nothing
             assert sum(s["sent"] for s in result["stats"]) == 2  # two stores
 
-            decode = engines("g4tiny", "per_layer", "kv_consumer", free_port(), lmcache_extra(url))
+            decode = engines(
+                "g4tiny", "per_layer", "kv_consumer", pick_free_port(), lmcache_extra(url)
+            )
             report = decode_requests(decode, ready["requests"], 300)
             assert decode.loaded == {"d0": [], "d1": []}
             assert all(r["kv_transfer_params"] is None for r in report.values())
@@ -220,7 +219,7 @@ def test_pd_through_lmcache_backend(monkeypatch, engines):
                 "g4tiny",
                 "per_layer",
                 "kv_consumer",
-                free_port(),
+                pick_free_port(),
                 lmcache_extra(url),
                 connector="LoadSkippingConnector",
                 module_path="tests.support.negative_control",

@@ -6,7 +6,6 @@ business, no NIXL), vLLM's real Scheduler for the prompt check."""
 from __future__ import annotations
 
 import re
-import socket
 from typing import Any
 
 import msgspec
@@ -22,6 +21,7 @@ from kvshare_connector.layout.topology import (
     OwnerLayer,
     Region,
 )
+from kvshare_connector.toolkit.procs import pick_free_port
 from kvshare_connector.transfer import protocol
 from kvshare_connector.transfer.side_channel import ask
 from kvshare_connector.transfer.sink import align_block_ids
@@ -126,12 +126,6 @@ def test_prefill_states_its_prompt_and_decode_compares():
     assert protocol.prompt_mismatch(protocol.remote_prefill_params(legacy), other) is None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_decode_scheduler_refuses_another_prompt_and_computes_it_locally():
     """vLLM's real Scheduler: a digest of another prompt fails the load before any
     handshake (nothing listens at remote_port); a request without a digest is accepted
@@ -142,7 +136,7 @@ def test_decode_scheduler_refuses_another_prompt_and_computes_it_locally():
         "g4tiny",
         "per_layer",
         "kv_consumer",
-        _free_port(),
+        pick_free_port(),
         {"handshake_timeout_s": 1.0, "transfer_timeout_s": 2.0},
         failure_policy="recompute",  # vLLM >= 0.30 would end the failed load otherwise
     )
@@ -153,7 +147,7 @@ def test_decode_scheduler_refuses_another_prompt_and_computes_it_locally():
             "remote_engine_id": "gone",
             "remote_request_id": "p0",
             "remote_host": "127.0.0.1",
-            "remote_port": _free_port(),
+            "remote_port": pick_free_port(),
             "tp_size": 1,
             "remote_num_tokens": 200,
         }

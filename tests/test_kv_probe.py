@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from kvshare_connector.devtools import kvcheck
+from kvshare_connector.toolkit.procs import pick_free_port
 from kvshare_connector.vllm import compat
 from kvshare_connector.vllm.adapter import cross_layer_views
 
@@ -321,14 +322,6 @@ def test_driver_verdicts(stack_topology, tmp_path, monkeypatch):
 # ---- the connector through vLLM's scheduler (emulated forward, NIXL or LMCache) ----------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _probe_pd(tmp_path: Path, prefill_layout: str, model: str, extra: dict) -> list[dict]:
     """Prefill 3 requests, decode them (the last scrambled); each decode request compared."""
     import json
@@ -339,14 +332,14 @@ def _probe_pd(tmp_path: Path, prefill_layout: str, model: str, extra: dict) -> l
     made = []
     try:
         config = {**extra, "kv_lease_duration": 60, "kv_probe": {"out": str(tmp_path / "p")}}
-        made.append(Engine(model, prefill_layout, "kv_producer", _free_port(), config, **probe))
+        made.append(Engine(model, prefill_layout, "kv_producer", pick_free_port(), config, **probe))
         prefill = made[0]
         for i in range(3):
             prefill.add(f"p{i}", 300 + 37 * i, 1, {"do_remote_decode": True}, i)
         prefill.run_until(lambda: len(prefill.outputs) == 3)
         prefill.step()  # the step after they finished: holds (and digests) reach the worker
         config = {**extra, "kv_probe": {"out": str(tmp_path / "d")}}
-        made.append(Engine(model, "per_layer", "kv_consumer", _free_port(), config, **probe))
+        made.append(Engine(model, "per_layer", "kv_consumer", pick_free_port(), config, **probe))
         requests = {
             r: {"kv_transfer_params": o.kv_transfer_params} for r, o in prefill.outputs.items()
         }

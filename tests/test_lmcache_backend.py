@@ -14,12 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvshare_connector.toolkit.procs import pick_free_port
+
 from .support.lmcache_util import (
     QUIET_ENV,
     build,
     config,
     drop_outside_windows,
-    free_port,
     full_tables,
     held,
     prompt,
@@ -171,7 +172,7 @@ def test_config_errors_name_the_option(extra, message):
 
 
 def test_remote_needs_hash_seed_and_a_reachable_server(backends, monkeypatch):
-    url = f"lm://127.0.0.1:{free_port()}"  # nothing listens there
+    url = f"lm://127.0.0.1:{pick_free_port()}"  # nothing listens there
     monkeypatch.delenv("PYTHONHASHSEED")
     with pytest.raises(LMCacheConfigError, match="PYTHONHASHSEED is not set"):
         backends(config(url), "g4uniform", "per_layer")

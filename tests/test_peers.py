@@ -7,12 +7,12 @@ again for every request.
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import pytest
 
 from kvshare_connector.devtools.demo import build, request_block_ids
+from kvshare_connector.toolkit.procs import pick_free_port
 from kvshare_connector.transfer.nixl import NixlTransport
 from kvshare_connector.transfer.protocol import remote_prefill_params
 from kvshare_connector.transfer.sink import KVSink
@@ -22,12 +22,6 @@ from .support.transfer_peer import PeerProcess
 TOKENS = 300
 HANDSHAKE_S = 4.0  # the bound a dead prefill costs each ask (a loaded CI box is slow)
 RETRY_S = 3.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def source(name: str, model: str = "g4tiny", port: int = 0, requests: int = 6) -> dict:
@@ -74,7 +68,7 @@ def run(sink: KVSink, ids: set[str], timeout_s: float) -> list[tuple[float, str,
 
 
 def test_dead_prefill_is_evicted_without_delaying_others_and_rejoins(sink, alive):
-    port = free_port()
+    port = pick_free_port()
     healthy = alive
     doomed = PeerProcess([source("doomed", port=port)])
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -13,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvshare_connector.toolkit.procs import pick_free_port
 from kvshare_connector.toolkit.proxy import (
     PREFILL_KV_PARAMS,
     ProxyTimeouts,
@@ -25,12 +25,6 @@ from .support.fake_vllm_server import ThreadServer, fake_server, fake_text
 
 FAST = ProxyTimeouts(connect=2.0, read=5.0, health=1.0)
 QUESTION = "Question: What is 4 + 5?\nAnswer:"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -203,7 +197,7 @@ def test_round_robin_over_two_prefill_and_two_decode_servers() -> None:
 
 
 def test_health_reports_each_backend() -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = f"http://127.0.0.1:{pick_free_port()}"
     with fake_server("prefill") as pre, fake_server("decode") as dec:
         with ThreadServer(create_app([pre.url], [dec.url], FAST)) as proxy:
             ok = httpx.get(proxy.url + "/health", timeout=5)
@@ -231,7 +225,7 @@ def _error(resp: httpx.Response) -> dict[str, Any]:
 
 
 def test_prefill_down_is_503_naming_the_server() -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = f"http://127.0.0.1:{pick_free_port()}"
     with fake_server("decode") as dec, ThreadServer(create_app([dead], [dec.url], FAST)) as px:
         resp = httpx.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
     assert resp.status_code == 503
@@ -242,7 +236,7 @@ def test_prefill_down_is_503_naming_the_server() -> None:
 
 
 def test_decode_down_is_503_naming_the_server() -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = f"http://127.0.0.1:{pick_free_port()}"
     with fake_server("prefill") as pre, ThreadServer(create_app([pre.url], [dead], FAST)) as px:
         plain = httpx.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
         streamed = httpx.post(

@@ -15,9 +15,8 @@ from kvshare_connector.backends.nixl import NixlWorker, RecvRequest
 from kvshare_connector.devtools.cpu_stack import build_cpu_stack, topology_of
 from kvshare_connector.devtools.demo import requests_block_ids
 from kvshare_connector.devtools.headcheck import fill_heads, head_mismatches
+from kvshare_connector.toolkit.procs import free_port_run
 from kvshare_connector.transfer import protocol
-
-from .support.tp_peer import free_ports
 
 TOKENS = 200
 MODELS = {1: "gemma4_e2b_shape", 4: "gemma4_e2b_kv4"}
@@ -42,7 +41,7 @@ def worker(role: str, heads: int, tp: int, rank: int, port: int, kv_mib: int):
 
 @pytest.mark.parametrize("heads", [4, 1])
 def test_prefill_tp2_to_decode_tp1_through_the_backend(heads):
-    base = free_ports(2)
+    base = free_port_run(2)
     prefill = [worker("kv_producer", heads, 2, r, base, 48) for r in range(2)]
     decode, stack, topology = worker("kv_consumer", heads, 1, 0, base + 10, 32)
     try:

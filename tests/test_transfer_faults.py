@@ -24,6 +24,7 @@ import zmq
 from kvshare_connector.devtools import kvcheck
 from kvshare_connector.devtools.demo import request_block_ids
 from kvshare_connector.layout.descriptors import request_descriptors
+from kvshare_connector.toolkit.procs import pick_free_port
 from kvshare_connector.transfer import protocol
 from kvshare_connector.transfer.side_channel import ask
 
@@ -201,12 +202,6 @@ class FakeSideChannel:
         self._sock.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize(
     ("behaviour", "expected"),
     [
@@ -223,7 +218,7 @@ def _free_port() -> int:
 def test_broken_side_channel_fails_the_request_in_bounded_time(decoders, behaviour, expected):
     decoder = decoders("g4tiny", "per_layer", handshake_s=FAULT_HANDSHAKE_S)
     fake = FakeSideChannel(behaviour, decoder.topology) if behaviour != "nobody" else None
-    port = fake.port if fake else _free_port()
+    port = fake.port if fake else pick_free_port()
     try:
         ids = request_block_ids(decoder.topology, TOKENS, seed=15)
         params = {

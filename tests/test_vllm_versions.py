@@ -9,12 +9,12 @@ Tests of one release skip on the other, saying why.
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import numpy as np
 import pytest
 
+from kvshare_connector.toolkit.procs import pick_free_port
 from kvshare_connector.vllm import compat
 
 from .support.engine_sim import Engine
@@ -27,12 +27,6 @@ needs_failed_recving = pytest.mark.skipif(
     not compat.HAS_FAILED_RECVING,
     reason=f"vLLM {compat.vllm_version()} reports load failures by block (failed_recving: 0.30)",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _block_bytes_by_view(view: Any, block: int) -> set[int]:
@@ -148,7 +142,7 @@ def test_sleep_drops_registrations_and_wake_serves_again():
     """A prefill engine that sleeps deregisters its KV memory from NIXL (its agent goes),
     gives back the blocks it held for decode, and after waking serves a new request that a
     decode engine reads byte-exactly."""
-    port = free_port()
+    port = pick_free_port()
     prefill = Engine("g4tiny", "per_layer", "kv_producer", port, {"kv_lease_duration": 60})
     decode = None
     try:
@@ -177,7 +171,7 @@ def test_sleep_drops_registrations_and_wake_serves_again():
         prefill.add("p1", 200, 1, {"do_remote_decode": True}, 1)
         prefill.run_until(lambda: "p1" in prefill.outputs)
         params = prefill.outputs["p1"].kv_transfer_params
-        decode = Engine("g4tiny", "per_layer", "kv_consumer", free_port())
+        decode = Engine("g4tiny", "per_layer", "kv_consumer", pick_free_port())
         decode.add("d1", 200, 2, params, 1)
         deadline_steps = 0
         while "d1" not in decode.outputs and deadline_steps < 20000:
@@ -204,7 +198,7 @@ def test_failed_load_follows_vllms_fail_policy():
         "g4tiny",
         "per_layer",
         "kv_consumer",
-        free_port(),
+        pick_free_port(),
         {"handshake_timeout_s": 1.0, "transfer_timeout_s": 2.0},
     )
     try:
@@ -214,7 +208,7 @@ def test_failed_load_follows_vllms_fail_policy():
             "remote_engine_id": "gone",
             "remote_request_id": "p0",
             "remote_host": "127.0.0.1",
-            "remote_port": free_port(),  # nothing listens here
+            "remote_port": pick_free_port(),  # nothing listens here
             "tp_size": 1,
         }
         decode.add("d0", 200, 3, params, 0)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvshare_connector.layout.topology import BLOCK, CONTENT, DIM, HEAD, KV, TOKEN, KVTopology
+from kvshare_connector.toolkit.procs import pick_free_port
 
 from .blockutil import disjoint_block_ids
 
@@ -32,19 +32,13 @@ def quiet_lmcache() -> None:
         os.environ.setdefault(key, value)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running_lm_server() -> Iterator[str]:
     """LMCache's own ``lm://`` server on 127.0.0.1 in a child process: its URL, once it
     accepts connections; stopped on exit."""
     from kvshare_connector.common.child_process import Child, wait_for_port
 
-    port = free_port()
+    port = pick_free_port()
     server = Child(
         ["-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
         env=QUIET_ENV,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -32,29 +31,12 @@ def emit(prefix: str, payload: Any) -> None:
     print(prefix + " " + json.dumps(payload), flush=True)
 
 
-def free_ports(count: int) -> int:
-    """A base port with ``count`` free ports after it (rank r serves on base + r)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count >= 65000:
-            continue
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no run of free ports")
-
-
 class Engine:
     def __init__(self, spec: dict[str, Any]):
         from kvshare_connector.devtools.cpu_stack import build_cpu_stack, topology_of
         from kvshare_connector.devtools.demo import requests_block_ids
         from kvshare_connector.devtools.headcheck import fill_heads
+        from kvshare_connector.toolkit.procs import free_port_run
         from kvshare_connector.transfer.nixl import NixlTransport
         from kvshare_connector.transfer.protocol import kv_transfer_params
         from kvshare_connector.transfer.shards import rank_shard
@@ -62,7 +44,7 @@ class Engine:
 
         self.name, tp, heads = spec["name"], spec["tp"], spec["heads"]
         engine_id = f"{self.name}-{uuid.uuid4().hex[:8]}"
-        base = free_ports(tp)
+        base = free_port_run(tp)  # rank r serves on base + r
         self.sources = []
         requests = None
         for rank in range(tp):
