@@ -37,6 +37,7 @@ from copy_references import idle_cpu, summary, time_cma, time_memcpy, time_memmo
 
 from kvshare_connector.devtools.demo import blocks_per_group, cpu_packer, requests_block_ids
 from kvshare_connector.transfer.nixl import PROGRESS_THREAD_ENV
+from kvshare_connector.transfer.settings import EngineSettings
 
 MODEL = "gemma4_e2b_shape"
 LAYOUT = "per_layer"
@@ -100,8 +101,8 @@ def build(kv_mib: int) -> tuple[Any, Any]:
 def run_prefill(args: argparse.Namespace) -> int:
     import uuid
 
+    from kvshare_connector.transfer.kv_params import kv_transfer_params
     from kvshare_connector.transfer.nixl import NixlTransport
-    from kvshare_connector.transfer.protocol import kv_transfer_params
     from kvshare_connector.transfer.source import KVSource
 
     stack, topology = build(args.kv_mib)  # stack keeps the KV memory alive
@@ -110,12 +111,9 @@ def run_prefill(args: argparse.Namespace) -> int:
         fill(topology, ids, salt=member)
     engine_id = f"bench-prefill-{uuid.uuid4().hex[:8]}"
     source = KVSource(
-        engine_id,
         topology,
         NixlTransport(engine_id),
-        "127.0.0.1",
-        0,
-        lease_s=3600,
+        EngineSettings(engine_id, lease_s=3600),
         packer=cpu_packer(stack, args.packed_mib),
     )
     rounds = []
@@ -210,7 +208,7 @@ def wait_ready(process: subprocess.Popen, timeout_s: float) -> dict[str, Any]:
 
 
 def read_round(sink: Any, members: list[dict], local: list, tag: str, timeout_s: float) -> float:
-    from kvshare_connector.transfer.protocol import remote_prefill_params
+    from kvshare_connector.transfer.kv_params import remote_prefill_params
 
     start = time.perf_counter()
     pending = set()
@@ -250,7 +248,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             f"bench-decode-{os.getpid()}", progress_thread=decode_thread == "on"
         )
         packer = cpu_packer(_stack, args.packed_mib)
-        sink = KVSink("bench-decode", topology, transport, 60.0, 120.0, packer=packer)
+        settings = EngineSettings(
+            "bench-decode", handshake_timeout_s=60.0, transfer_timeout_s=120.0
+        )
+        sink = KVSink(topology, transport, settings, packer=packer)
         local = disjoint_requests(topology, args.tokens, batch, seed=2)
         ready = wait_ready(prefill, 300)
         rounds = ready["rounds"]

@@ -4,25 +4,8 @@ What differs between those releases is answered in ``kvshare_connector.vllm.comp
 hook here exists for the releases that call it and is inert on the others.
 
 Enable with ``--kv-transfer-config '{"kv_connector":"KVShareConnector","kv_role":...}'``.
-Options in ``kv_connector_extra_config``:
-
-* ``kv_lease_duration`` (s, default 30): how long prefill keeps a finished request's
-  blocks for decode to read (vLLM NixlConnector's name).
-* ``handshake_timeout_s`` (default 10) and ``transfer_timeout_s`` (default 60): bounded
-  waits on decode before a request is computed locally instead.
-* ``cross_layer_blocks``: vLLM 0.26: ask for the cross-layer blocks tensor where vLLM can
-  use it (one KV cache group; default true, false when kvcached is enabled). vLLM 0.33: ask
-  for the block-major ``BLNHC`` layout (default false: 0.33 cannot start Gemma-4 models
-  with mixed KV shapes in a block-major layout).
-* ``read_log`` (a path, default none): decode appends one JSON line per finished read
-  (request, bytes, blocks, descriptors, seconds), to set READ time against request latency.
-* ``staging_mib`` (default 512): staging area per engine for packed transfer (a request
-  gathered, read as a few large runs, scattered); 0: block by block.
-* ``side_channel_secret`` (or env ``KVSHARE_SIDE_CHANNEL_SECRET``): HMAC key of every
-  side-channel message (docs/security.md).
-* ``backend`` (``nixl``, the default, or ``lmcache``; see ``kvshare_connector.backends``) and
-  ``lmcache`` (its options, see docs/lmcache.md): move KV through LMCache instead of direct
-  NIXL reads.
+Options in ``kv_connector_extra_config``: ``kvshare_connector.backends.options``
+(``ConnectorOptions``, one field each, with its default and help; README's table).
 """
 
 from __future__ import annotations
@@ -39,17 +22,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvshare_connector.backends import create_backend
-from kvshare_connector.backends.base import WorkerContext, flag_option
+from kvshare_connector.backends.base import WorkerContext
+from kvshare_connector.backends.options import ConnectorOptions
 from kvshare_connector.common.log import get_logger
 from kvshare_connector.layout import kvcached
-from kvshare_connector.transfer.nixl import progress_thread_default
-from kvshare_connector.transfer.side_channel import resolve_secret
 from kvshare_connector.vllm import compat
 from kvshare_connector.vllm.adapter import engine_identity
 from kvshare_connector.vllm.metadata import KVShareMetadata, KVShareWorkerMeta
 from kvshare_connector.vllm.parallel import model_kv_heads, tensor_parallel
 from kvshare_connector.vllm.prometheus import KVSharePromMetrics
-from kvshare_connector.vllm.scheduler import KVShareScheduler
+from kvshare_connector.vllm.scheduler import KVShareScheduler, scheduler_context
 from kvshare_connector.vllm.stats import KVShareStats
 from kvshare_connector.vllm.worker import KVShareWorker
 
@@ -66,7 +48,6 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
-DEFAULT_STAGING_MIB = 512
 
 
 class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
@@ -87,51 +68,41 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         # TP (issue 16): one worker per rank; rank r serves on port + r, the base port goes
         # into kv_transfer_params with tp_size (kvshare_connector.transfer.shards).
         tp_size, tp_rank = tensor_parallel(vllm_config, role != KVConnectorRole.SCHEDULER)
-        extra = config.kv_connector_extra_config or {}
+        options = ConnectorOptions.parse(config.kv_connector_extra_config)
         self.engine_id = config.engine_id or "kvshare"
         host = envs.VLLM_NIXL_SIDE_CHANNEL_HOST
         port = (
             envs.VLLM_NIXL_SIDE_CHANNEL_PORT
             + vllm_config.parallel_config.data_parallel_index * tp_size
         )
-        lease_s = float(extra.get("kv_lease_duration", 30))
-        backend = create_backend(extra)  # in both roles: bad options fail at start-up
-        self._cross_layer = flag_option(
-            extra,
-            "cross_layer_blocks",
-            compat.cross_layer_blocks_default(kvcached.kvcached_enabled()),
+        backend = create_backend(options)  # in both roles: bad options fail at start-up
+        self._cross_layer = (
+            options.cross_layer_blocks
+            if options.cross_layer_blocks is not None
+            else compat.cross_layer_blocks_default(kvcached.kvcached_enabled())
         )
         self.scheduler: KVShareScheduler | None = None
         self.worker: KVShareWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = KVShareScheduler(
-                vllm_config, kv_cache_config, self.engine_id, host, port, lease_s, backend
+            context = scheduler_context(
+                vllm_config, kv_cache_config, self.engine_id, host, port, options
             )
+            self.scheduler = KVShareScheduler(context, backend)
         else:
             model = vllm_config.model_config
-            context = WorkerContext(
+            worker_context = WorkerContext(
                 engine_id=self.engine_id,
                 role=config.kv_role,
                 host=host,
                 port=port + tp_rank,  # TP: this rank's own side channel
-                lease_s=lease_s,
-                handshake_timeout_s=float(extra.get("handshake_timeout_s", 10)),
-                transfer_timeout_s=float(extra.get("transfer_timeout_s", 60)),
                 model_name=model.served_model_name or model.model,
-                side_channel_secret=resolve_secret(extra),
+                options=options,
                 engine_identity=engine_identity(vllm_config),
-                staging_bytes=int(float(extra.get("staging_mib", DEFAULT_STAGING_MIB)) * 2**20),
-                verify_kv=flag_option(extra, "verify_kv"),
                 tp_size=tp_size,
                 tp_rank=tp_rank,
                 model_kv_heads=model_kv_heads(vllm_config),
-                nixl_progress_thread=flag_option(
-                    extra, "nixl_progress_thread", progress_thread_default()
-                ),
             )
-            self.worker = KVShareWorker(
-                vllm_config, kv_cache_config, backend, context, extra.get("read_log")
-            )
+            self.worker = KVShareWorker(vllm_config, kv_cache_config, backend, worker_context)
 
     @property
     def prefer_cross_layer_blocks(self) -> bool:
@@ -267,5 +238,5 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         """Any layout works (geometry is read off the strides); vLLM 0.33 is asked for the
         block-major one only when ``cross_layer_blocks`` is set."""
         config = vllm_config.kv_transfer_config
-        extra = (config.kv_connector_extra_config if config is not None else None) or {}
-        return compat.required_kv_cache_layout(flag_option(extra, "cross_layer_blocks", False))
+        options = ConnectorOptions.parse(config.kv_connector_extra_config if config else None)
+        return compat.required_kv_cache_layout(bool(options.cross_layer_blocks))

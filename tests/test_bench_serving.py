@@ -77,11 +77,15 @@ def test_commands_of_each_deployment(tmp_path: Path, model_dir: Path) -> None:
         **ours,
         "kv_role": "kv_consumer",
         "kv_connector_extra_config": {"kv_lease_duration": 60, "staging_mib": 0,
-                                      "read_log": read_log},
+                                      "allowed_prefills": ["localhost"], "read_log": read_log},
     }  # fmt: skip
     assert planned[1].read_logs == ["reads/ours-direct-decode0.jsonl"]
     assert kv[("nixl", "prefill")] == {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
     assert kv[("nixl", "decode")] == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+    # Lane against lane: NixlConnector's engines get the UCX settings ours picks itself.
+    nixl_env = engines[("nixl", "decode")].env
+    assert nixl_env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
+    assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in engines[("ours-packed", "decode")].env
     colo = engines[("colocated", "colocated")]
     assert "--kv-transfer-config" not in colo.argv and planned[3].read_logs == []
     # Ports and side channels never collide; prefill on GPU 0, decode on 1, colocated on 0.

@@ -22,7 +22,8 @@ from kvshare_connector.layout.topology import (
     Region,
 )
 from kvshare_connector.toolkit.procs import pick_free_port
-from kvshare_connector.transfer import protocol
+from kvshare_connector.transfer import kv_params, protocol
+from kvshare_connector.transfer.settings import EngineSettings
 from kvshare_connector.transfer.side_channel import ask
 from kvshare_connector.transfer.sink import align_block_ids
 
@@ -40,9 +41,9 @@ SLIDE32 = _group(1, 32, window=128)  # keep = ceil(128 / 32) + 1 = 5 blocks
 
 
 def test_block_counts_must_be_equal_without_decode_token_counts():
-    with pytest.raises(protocol.KVTransferParamsError, match="group 0: prefill sent 2 block"):
+    with pytest.raises(kv_params.KVTransferParamsError, match="group 0: prefill sent 2 block"):
         align_block_ids([[1, 2, 3]], [[7, 8]])  # decode holds more than prefill sent
-    with pytest.raises(protocol.KVTransferParamsError, match="group 1: prefill sent 3 block"):
+    with pytest.raises(kv_params.KVTransferParamsError, match="group 1: prefill sent 3 block"):
         align_block_ids([[1, 2], [4]], [[7, 8], [9, 10, 11]])  # silently truncated before
 
 
@@ -90,12 +91,12 @@ def test_block_counts_other_than_the_rule_are_refused(
 ):
     local = local or [list(range(100, 119)), [200, 201, 202, 203, 204]]
     remote = remote or [list(range(1, 20)), [21, 22, 23, 24, 25]]
-    with pytest.raises(protocol.KVTransferParamsError, match=re.escape(message)):
+    with pytest.raises(kv_params.KVTransferParamsError, match=re.escape(message)):
         align_block_ids(local, remote, [FULL16, SLIDE32], tokens, cached, remote_tokens)
 
 
 def test_remote_null_block_paired_with_a_real_local_block_is_refused():
-    with pytest.raises(protocol.KVTransferParamsError, match="group 1, position 0 of decode's"):
+    with pytest.raises(kv_params.KVTransferParamsError, match="group 1, position 0 of decode's"):
         align_block_ids([[5, 6], [7, 8]], [[1, 2], [0, 9]])
 
 
@@ -104,7 +105,7 @@ def test_remote_null_block_paired_with_a_real_local_block_is_refused():
 
 def test_prefill_states_its_prompt_and_decode_compares():
     ids = list(range(3, 303))
-    params = protocol.kv_transfer_params(
+    params = kv_params.kv_transfer_params(
         remote_block_ids=[[1]],
         remote_engine_id="p",
         remote_request_id="r",
@@ -114,16 +115,16 @@ def test_prefill_states_its_prompt_and_decode_compares():
         prompt_token_ids=ids,
     )
     assert params["remote_prompt_tokens"] == 300
-    parsed = protocol.remote_prefill_params(dict(params, do_remote_prefill=True))
-    assert protocol.prompt_mismatch(parsed, ids) is None
-    assert "prefill had 300 prompt tokens, this request has 299" in protocol.prompt_mismatch(
+    parsed = kv_params.remote_prefill_params(dict(params, do_remote_prefill=True))
+    assert kv_params.prompt_mismatch(parsed, ids) is None
+    assert "prefill had 300 prompt tokens, this request has 299" in kv_params.prompt_mismatch(
         parsed, ids[:-1]
     )
     other = [*ids[:-1], 7]
-    assert "digest of the prompt's 300 token ids" in protocol.prompt_mismatch(parsed, other)
+    assert "digest of the prompt's 300 token ids" in kv_params.prompt_mismatch(parsed, other)
     # A proxy or prefill of elsewhere: nothing to compare, accepted.
     legacy = {k: v for k, v in params.items() if not k.startswith("remote_prompt")}
-    assert protocol.prompt_mismatch(protocol.remote_prefill_params(legacy), other) is None
+    assert kv_params.prompt_mismatch(kv_params.remote_prefill_params(legacy), other) is None
 
 
 def test_decode_scheduler_refuses_another_prompt_and_computes_it_locally():
@@ -158,7 +159,7 @@ def test_decode_scheduler_refuses_another_prompt_and_computes_it_locally():
             base,
             remote_prompt_tokens=237,
             remote_num_tokens=237,
-            remote_prompt_digest=protocol.prompt_digest(prompt),
+            remote_prompt_digest=kv_params.prompt_digest(prompt),
             remote_request_id="p1",
         )
         # vLLM drains the scheduler's stats every step: keep what it took.
@@ -226,7 +227,7 @@ def tiny_topology() -> KVTopology:
 def source():
     from kvshare_connector.transfer.source import KVSource
 
-    made = KVSource("prefill-x", tiny_topology(), StandInTransport(), "127.0.0.1", 0, 30.0)
+    made = KVSource(tiny_topology(), StandInTransport(), EngineSettings("prefill-x"))
     made.hold("req-a", block_ids=[[4, 5, 6]])
     yield made
     made.close()
@@ -241,7 +242,9 @@ def _claim(source, token: str, blocks: list[list[int]], request_id: str = "req-a
         token=token,
         block_ids={request_id: blocks},
     )
-    return protocol.decode(ask("127.0.0.1", source.port, protocol.encode(claim), 5.0))
+    return protocol.decode(
+        ask("127.0.0.1", source.port, protocol.encode(claim), 5.0, engine_id="prefill-x")
+    )
 
 
 def test_second_reader_is_refused_while_the_first_reads_and_after(source):
@@ -266,15 +269,21 @@ def test_second_reader_is_refused_while_the_first_reads_and_after(source):
     assert source.take_refused()["refused_claims"] == 1
 
 
-def test_claim_of_blocks_the_request_does_not_hold_is_refused(source):
+def test_a_claim_must_name_exactly_the_blocks_the_request_holds(source):
     reply = _claim(source, "c" * 32, [[4, 5, 9]])
     assert reply.held == []
-    assert "block(s) [9] of group 0 that prefill does not hold" in reply.refused["req-a"]
-    assert "groups of blocks" not in reply.refused["req-a"]
+    assert "block ids of group 0 are not the ones prefill holds for request req-a" in (
+        reply.refused["req-a"]
+    )
+    assert "(not held: [9], not named: [6])" in reply.refused["req-a"]
+    # A subset (or nothing at all) would let a claimer that saw part of the params steal
+    # the request from its real reader: refused too.
+    assert "not named: [4]" in _claim(source, "c" * 32, [[5, 6]]).refused["req-a"]
+    assert "not named: [4, 5, 6]" in _claim(source, "c" * 32, [[]]).refused["req-a"]
     reply = _claim(source, "c" * 32, [[4], [5]])
     assert "names 2 group(s) of blocks, prefill holds 1" in reply.refused["req-a"]
     # A refused claim took nothing: the right claim still gets the blocks.
-    assert _claim(source, "c" * 32, [[5, 6]]).held == ["req-a"]
+    assert _claim(source, "c" * 32, [[4, 5, 6]]).held == ["req-a"]
 
 
 def test_claims_over_the_per_message_caps_are_refused(source):
@@ -284,7 +293,9 @@ def test_claims_over_the_per_message_caps_are_refused(source):
         [f"r{i}" for i in range(protocol.MAX_IDS_PER_MESSAGE + 1)],
         1.0,
     )
-    reply = protocol.decode(ask("127.0.0.1", source.port, protocol.encode(claim), 5.0))
+    reply = protocol.decode(
+        ask("127.0.0.1", source.port, protocol.encode(claim), 5.0, engine_id="prefill-x")
+    )
     assert isinstance(reply, protocol.ErrorReply) and "request ids in one message" in reply.message
     assert source.take_refused()["refused_messages"] == 1
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvshare_connector.transfer import protocol
+from kvshare_connector.transfer import kv_params
 
 # ---- kv_transfer_params ---------------------------------------------------------------
 
@@ -21,9 +21,11 @@ GOOD_PARAMS = {
 
 
 def test_good_kv_transfer_params_parse():
-    parsed = protocol.remote_prefill_params(dict(GOOD_PARAMS, extra_field_of_a_proxy="ignored"))
+    parsed = kv_params.remote_prefill_params(dict(GOOD_PARAMS, extra_field_of_a_proxy="ignored"))
     assert parsed.remote_block_ids == [[1, 2], [3]]
     assert parsed.remote_port == 5600
+    for host in ("localhost", "prefill-0.pd.svc.cluster.local", "10.1.2.3", "::1", "fe80::1"):
+        assert kv_params.remote_prefill_params(dict(GOOD_PARAMS, remote_host=host))
 
 
 @pytest.mark.parametrize(
@@ -39,6 +41,19 @@ def test_good_kv_transfer_params_parse():
         ({"do_remote_prefill": "yes"}, "$.do_remote_prefill"),
         ({"tp_size": 0}, "tp_size"),  # TP > 1 is served (issue 16); 0 is not a TP size
         ({"remote_host": DELETE}, "remote_host"),
+        # What decode would otherwise connect to, or trip over later (issue 22).
+        ({"remote_host": " "}, "$.remote_host"),
+        ({"remote_host": "*"}, "$.remote_host"),
+        ({"remote_host": "tcp://10.0.0.1:5600"}, "$.remote_host"),
+        ({"remote_host": "host\nname"}, "$.remote_host"),
+        ({"remote_host": "a" * 100_000}, "$.remote_host"),
+        ({"remote_engine_id": "x" * (1 << 20)}, "$.remote_engine_id"),
+        ({"remote_request_id": ""}, "$.remote_request_id"),
+        ({"remote_request_id": "req 0\r\n"}, "$.remote_request_id"),
+        ({"remote_num_tokens": -5}, "$.remote_num_tokens"),
+        ({"remote_prompt_tokens": 1 << 40}, "$.remote_prompt_tokens"),
+        ({"remote_prompt_digest": "not-hex"}, "$.remote_prompt_digest"),
+        ({"remote_block_ids": [list(range(1, 140_000))]}, "$.remote_block_ids"),
     ],
 )
 def test_malformed_kv_transfer_params_name_the_field(change, field):
@@ -48,11 +63,11 @@ def test_malformed_kv_transfer_params_name_the_field(change, field):
             del params[key]
         else:
             params[key] = value
-    with pytest.raises(protocol.KVTransferParamsError) as caught:
-        protocol.remote_prefill_params(params)
+    with pytest.raises(kv_params.KVTransferParamsError) as caught:
+        kv_params.remote_prefill_params(params)
     assert field in str(caught.value)
 
 
 def test_kv_transfer_params_that_are_not_an_object():
-    with pytest.raises(protocol.KVTransferParamsError, match="must be an object, got list"):
-        protocol.remote_prefill_params([GOOD_PARAMS])
+    with pytest.raises(kv_params.KVTransferParamsError, match="must be an object, got list"):
+        kv_params.remote_prefill_params([GOOD_PARAMS])

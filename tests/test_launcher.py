@@ -33,6 +33,7 @@ from kvshare_connector.toolkit.procs import (
     pick_free_port,
     stop_processes,
 )
+from kvshare_connector.transfer.side_channel import SECRET_ENV
 
 FAKE = Path(__file__).resolve().parent / "support" / "fake_vllm_server.py"
 FAKE_CMD = (
@@ -87,7 +88,12 @@ def test_plan_same_gpu_roles_ports_side_channels_and_memory_share() -> None:
     prefill, decode0, decode1 = plan_pd(cfg)
     assert [e.name for e in (prefill, decode0, decode1)] == ["prefill0", "decode0", "decode1"]
     assert [e.port for e in (prefill, decode0, decode1)] == [9100, 9200, 9201]
-    assert prefill.argv[:3] == ["vllm", "serve", "google/gemma-4-E2B-it"]
+    # `vllm` beside the running Python (the virtualenv kvshare runs from), not PATH's.
+    beside = Path(sys.executable).parent / "vllm"
+    assert Path(prefill.argv[0]).name == "vllm"
+    if beside.exists():
+        assert prefill.argv[0] == str(beside)
+    assert prefill.argv[1:3] == ["serve", "google/gemma-4-E2B-it"]
     assert _arg(prefill.argv, "--port") == "9100"
     kv = json.loads(_arg(prefill.argv, "--kv-transfer-config"))
     assert kv == {
@@ -128,8 +134,40 @@ def test_plan_one_gpu_each_and_kv_both() -> None:
     for e in (prefill, decode):
         kv = json.loads(_arg(e.argv, "--kv-transfer-config"))
         assert kv["kv_role"] == "kv_both"
-        assert kv["kv_connector_extra_config"] == {LAYOUT_KEY: False, "kv_lease_duration": 60}
+        assert kv["kv_connector_extra_config"] == {
+            LAYOUT_KEY: False, "kv_lease_duration": 60, "allowed_prefills": ["localhost"]
+        }  # fmt: skip
     assert "VLLM_USE_V2_MODEL_RUNNER" not in prefill.env
+
+
+def test_a_deployment_shares_a_fresh_secret_and_decode_reaches_only_its_prefills(
+    monkeypatch,
+) -> None:
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_HOST", raising=False)
+    prefill, decode = plan_pd(ServeConfig(model="m"))
+    secret = prefill.env[SECRET_ENV]
+    assert len(secret) == 64 and decode.env[SECRET_ENV] == secret
+    assert secret not in " ".join(prefill.argv + decode.argv)  # not for `ps` to show
+    other = plan_pd(ServeConfig(model="m"))[0].env[SECRET_ENV]
+    assert other != secret  # one per deployment
+    extra = json.loads(_arg(decode.argv, "--kv-transfer-config"))["kv_connector_extra_config"]
+    assert extra["allowed_prefills"] == ["localhost"]
+    assert "allowed_prefills" not in json.loads(_arg(prefill.argv, "--kv-transfer-config")).get(
+        "kv_connector_extra_config", {}
+    )
+    # The user's own secret (environment, --env or extra config) and host win.
+    monkeypatch.setenv(SECRET_ENV, "mine")
+    assert SECRET_ENV not in plan_pd(ServeConfig(model="m"))[0].env
+    monkeypatch.delenv(SECRET_ENV)
+    cfg = ServeConfig(model="m", env={SECRET_ENV: "env", "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.5"})
+    prefill, decode = plan_pd(cfg)
+    assert prefill.env[SECRET_ENV] == "env"
+    kv = json.loads(_arg(decode.argv, "--kv-transfer-config"))
+    assert kv["kv_connector_extra_config"]["allowed_prefills"] == ["10.0.0.5"]
+    cfg = ServeConfig(model="m", kv_extra_config={"side_channel_secret": "x"})
+    assert SECRET_ENV not in plan_pd(cfg)[0].env
+    assert SECRET_ENV not in plan_colocated(ServeConfig(model="m"))[0].env
 
 
 def test_plan_colocated_has_no_connector() -> None:

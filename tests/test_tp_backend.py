@@ -12,11 +12,12 @@ import pytest
 
 from kvshare_connector.backends.base import WorkerContext
 from kvshare_connector.backends.nixl import NixlWorker, RecvRequest
+from kvshare_connector.backends.options import ConnectorOptions
 from kvshare_connector.devtools.cpu_stack import build_cpu_stack, topology_of
 from kvshare_connector.devtools.demo import requests_block_ids
 from kvshare_connector.devtools.headcheck import fill_heads, head_mismatches
 from kvshare_connector.toolkit.procs import free_port_run
-from kvshare_connector.transfer import protocol
+from kvshare_connector.transfer import kv_params
 
 TOKENS = 200
 MODELS = {1: "gemma4_e2b_shape", 4: "gemma4_e2b_kv4"}
@@ -29,10 +30,13 @@ def worker(role: str, heads: int, tp: int, rank: int, port: int, kv_mib: int):
         kv_heads=count,
     )  # fmt: skip
     topology = topology_of(stack)
+    options = ConnectorOptions.parse({
+        "kv_lease_duration": 60, "handshake_timeout_s": 20, "transfer_timeout_s": 20,
+        "staging_mib": 64,
+    })  # fmt: skip
     context = WorkerContext(
-        engine_id=f"{role}-tp", role=role, host="127.0.0.1", port=port + rank, lease_s=60.0,
-        handshake_timeout_s=20.0, transfer_timeout_s=20.0, model_name="m",
-        staging_bytes=64 << 20, tp_size=tp, tp_rank=rank, model_kv_heads=heads,
+        engine_id=f"{role}-tp", role=role, host="127.0.0.1", port=port + rank, model_name="m",
+        options=options, tp_size=tp, tp_rank=rank, model_kv_heads=heads,
     )  # fmt: skip
     w = NixlWorker(context)
     w.start(topology, stack.kv_caches)
@@ -48,15 +52,15 @@ def test_prefill_tp2_to_decode_tp1_through_the_backend(heads):
         ids = requests_block_ids(prefill[0][2], TOKENS, 1, 3)[0]
         for w, s, t in prefill:
             fill_heads(s.kv_caches, t, _shard(w), ids, seed=1)
-            w.hold({"req": (60.0, ids)})
-        params = protocol.remote_prefill_params(
-            protocol.kv_transfer_params(
+            w.hold({"req": ids})
+        params = kv_params.remote_prefill_params(
+            kv_params.kv_transfer_params(
                 remote_block_ids=ids, remote_engine_id="kv_producer-tp", remote_request_id="req",
                 remote_host="127.0.0.1", remote_port=base, remote_num_tokens=TOKENS, tp_size=2,
             )
         )  # fmt: skip
         local = requests_block_ids(topology, TOKENS, 1, 9)[0]
-        assert decode.start_loads([RecvRequest("d-req", params, local, TOKENS, 0)]) == {}
+        assert decode.start_loads([RecvRequest("d-req", local, params, TOKENS, 0)]) == {}
         sent: list[set[str]] = [set(), set()]
         loaded, deadline = set(), time.monotonic() + 60
         while (not loaded or not all(sent)) and time.monotonic() < deadline:

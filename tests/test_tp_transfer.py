@@ -24,8 +24,9 @@ from kvshare_connector.devtools.cpu_stack import build_cpu_stack, topology_of
 from kvshare_connector.devtools.demo import requests_block_ids
 from kvshare_connector.devtools.headcheck import head_mismatches
 from kvshare_connector.layout import sharding
-from kvshare_connector.transfer import protocol, shards
+from kvshare_connector.transfer import kv_params, shards
 from kvshare_connector.transfer.nixl import NixlTransport
+from kvshare_connector.transfer.settings import EngineSettings
 from kvshare_connector.transfer.shards import ShardedSink, rank_shard
 
 from .support.tp_peer import TOKENS, TPPeer
@@ -70,9 +71,9 @@ def decode_engine(tp: int, heads: int) -> list[DecodeRank]:
         topology = topology_of(stack)
         shard = rank_shard(topology, tp, rank, heads)
         sink = ShardedSink(
-            shard, topology, engine_id=engine_id,
-            transport=NixlTransport(f"{engine_id}-r{rank}", progress_thread=False),  # peer_env
-            handshake_timeout_s=20.0, transfer_timeout_s=20.0,
+            shard, topology,
+            NixlTransport(f"{engine_id}-r{rank}", progress_thread=False),  # peer_env
+            EngineSettings(engine_id, handshake_timeout_s=20.0, transfer_timeout_s=20.0),
         )  # fmt: skip
         ranks.append(DecodeRank(stack, topology, shard, sink))
     return ranks
@@ -84,7 +85,7 @@ def read(ranks: list[DecodeRank], peer: TPPeer, name: str, reverse: bool = False
     index = NEXT_REQUEST.get(name, 0)
     NEXT_REQUEST[name] = index + 1
     request = peer.ready[name]["requests"][index]
-    params = protocol.remote_prefill_params(request["params"])
+    params = kv_params.remote_prefill_params(request["params"])
     local_ids = requests_block_ids(ranks[0].topology, TOKENS, 1, 500 + index)[0]
     issued = [ids[::-1] for ids in local_ids] if reverse else local_ids
     for r in ranks:
@@ -190,7 +191,7 @@ def test_ports_that_name_another_rank_are_refused(peer):
         params = dict(request["params"], remote_port=request["params"]["remote_port"] + 1)
         local_ids = requests_block_ids(ranks[0].topology, TOKENS, 1, 900)[0]
         sink = ranks[0].sink
-        sink.request("bad-port", protocol.remote_prefill_params(params), local_ids, TOKENS, 0)
+        sink.request("bad-port", kv_params.remote_prefill_params(params), local_ids, TOKENS, 0)
         deadline = time.monotonic() + 40
         failed: dict[str, str] = {}
         while not failed and time.monotonic() < deadline:

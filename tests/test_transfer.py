@@ -16,7 +16,7 @@ from kvshare_connector.devtools import kvcheck
 from kvshare_connector.devtools.demo import request_block_ids
 from kvshare_connector.layout.descriptors import transfer_descriptors
 from kvshare_connector.layout.matching import EngineIdentity, pair_owners
-from kvshare_connector.transfer import protocol
+from kvshare_connector.transfer import kv_params
 from kvshare_connector.transfer.nixl import PROGRESS_THREAD_ENV, progress_thread_default
 
 from .support.transfer_decode import (
@@ -51,6 +51,12 @@ PEER_SOURCES = with_defaults([
      "identity": {"model": "google/gemma-4-E2B-it", "model_config_hash": "c0ffee",
                   "dtype": "bfloat16", "cache_dtype": "auto", "block_size": 16,
                   "vllm_version": "0.26.0"}},
+    # Lane probes: a 1 MiB pattern decode READs and checks after the handshake; the liar's
+    # buffer holds another pattern than its handshake names.
+    {"name": "probed", "model": "g4tiny", "layout": "per_layer", "requests": 1, "seed": 900,
+     "probe_mib": 1},
+    {"name": "probe_liar", "model": "g4tiny", "layout": "per_layer", "requests": 1,
+     "seed": 910, "probe_mib": 1, "probe_lie": True},
 ])  # fmt: skip
 
 
@@ -235,7 +241,7 @@ def test_packed_read_lands_every_block_in_a_few_descriptors(peer, decoders):
     rid = new_id("one-poll")
     packed.zero()
     packed.sink.request(
-        rid, protocol.remote_prefill_params(request["kv_transfer_params"]), local_ids
+        rid, kv_params.remote_prefill_params(request["kv_transfer_params"]), local_ids
     )
     packed.sink.advance()  # what start_load_kv does: the claim leaves now
     deadline = time.monotonic() + 30
@@ -313,7 +319,7 @@ def test_layout_mismatch_fails_and_says_what_differs(
     decoder.zero()
     request_id = new_id("mismatch")
     decoder.sink.request(
-        request_id, protocol.remote_prefill_params(request["kv_transfer_params"]), local_ids
+        request_id, kv_params.remote_prefill_params(request["kv_transfer_params"]), local_ids
     )
     done, failure, _ = decoder.wait(request_id, HANDSHAKE_S + 5)
 
@@ -372,3 +378,34 @@ def test_block_count_mismatch_fails_before_a_byte_moves(peer, decoders):
     assert result.bytes == 0 and decoder.untouched()
     released = peer.released_event("tiny", request["request_id"])  # decode freed it
     assert request["request_id"] not in released["held"]
+
+
+# ---- the lane probe --------------------------------------------------------------------
+
+
+def test_lane_probe_measures_and_verifies_before_the_first_read(peer, decoders):
+    """A new prefill's lane is READ, checked byte for byte and measured before any KV moves;
+    the read that waited for it lands, and the lane is reported once."""
+    decoder = decoders("g4tiny", "per_layer", probe_mib=1)
+    request = peer.request("probed", 0)
+    local_ids = request_block_ids(decoder.topology, TOKENS, seed=51)
+    assert_landed(decoder, decoder.read(request, local_ids, new_id("probed")), local_ids)
+    (lane,) = decoder.sink.take_lanes()
+    assert lane.peer == peer.source("probed")["engine_id"]
+    assert lane.lane == "host memory" and not lane.slow and lane.fix is None
+    assert lane.nbytes == 1 << 20 and lane.gbps > 0 and lane.seconds > 0
+    assert decoder.sink.take_lanes() == []
+
+
+def test_lane_probe_with_wrong_bytes_fails_before_any_kv_moves(peer, decoders):
+    """Negative control of the probe's check: a prefill whose probe holds other bytes than
+    it names fails the read (and is evicted) before a byte of KV moves."""
+    decoder = decoders("g4tiny", "per_layer", probe_mib=1)
+    request = peer.request("probe_liar", 0)
+    local_ids = request_block_ids(decoder.topology, TOKENS, seed=52)
+    result = decoder.read(request, local_ids, new_id("liar"))
+    assert not result.done
+    assert result.failure.startswith("ProbeError: the lane probe READ from"), result.failure
+    assert "other bytes than prefill's pattern" in result.failure
+    assert result.bytes == 0 and decoder.untouched()
+    assert decoder.sink.take_lanes() == []

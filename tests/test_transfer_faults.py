@@ -14,18 +14,17 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgspec
 import numpy as np
 import pytest
-import zmq
 
 from kvshare_connector.devtools import kvcheck
 from kvshare_connector.devtools.demo import request_block_ids
 from kvshare_connector.layout.descriptors import request_descriptors
 from kvshare_connector.toolkit.procs import pick_free_port
-from kvshare_connector.transfer import protocol
+from kvshare_connector.transfer import kv_params, protocol, side_channel
 from kvshare_connector.transfer.side_channel import ask
 
 from .support.transfer_decode import (
@@ -85,15 +84,37 @@ def decoders(peers):
 # ---- the side channel under garbage ---------------------------------------------------
 
 
-def _dealer(port: int) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    return sock
+def _exchange(port: int, data: bytes, timeout_s: float = 3.0) -> bytes | None:
+    """Send raw bytes to a side channel; the framed reply it sends back, or None."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+        sock.sendall(data)
+        try:
+            header = _recv(sock, side_channel.HEADER_BYTES)
+            length = int.from_bytes(header[-4:], "big")
+            return _recv(sock, length)
+        except (TimeoutError, ConnectionError):
+            return None
 
 
-def _reply(sock: zmq.Socket, timeout_s: float = 3.0) -> list[bytes] | None:
-    return sock.recv_multipart() if sock.poll(int(timeout_s * 1000)) else None
+def _recv(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return data
+
+
+def _answer(port: int, engine_id: str, payload: bytes) -> protocol.SideMessage:
+    """Send ``payload`` as a well-framed request: the protocol's answer to it."""
+    where = side_channel.destination(engine_id, "127.0.0.1", port)
+    frame, _ = side_channel.encode_request(payload, where)
+    reply = _exchange(port, frame)
+    assert reply is not None, f"no answer to {payload[:16]!r}"
+    code, _mac, answer = msgspec.msgpack.decode(reply)
+    assert code == "ok", (code, answer)
+    return protocol.decode(answer)
 
 
 def test_prefill_side_channel_answers_garbage_with_errors_and_keeps_serving(peers, decoders):
@@ -102,6 +123,7 @@ def test_prefill_side_channel_answers_garbage_with_errors_and_keeps_serving(peer
     assert peers.main.all_ready.wait(300)
     info = peers.main.source("tiny")
     port = info["requests"][0]["kv_transfer_params"]["remote_port"]
+    engine = info["engine_id"]
     hello = protocol.encode(protocol.Hello(protocol.PROTOCOL_VERSION, "tester"))
     bad_payloads = {
         b"garbage": "malformed side-channel message",
@@ -109,6 +131,7 @@ def test_prefill_side_channel_answers_garbage_with_errors_and_keeps_serving(peer
         np.random.default_rng(0).bytes(64 << 10): "malformed side-channel message",
         hello[:-3]: "malformed side-channel message",  # truncated
         hello[:1]: "malformed side-channel message",
+        b"\x91" * 1000 + b"\x01": "malformed side-channel message",  # 1,000 levels deep
         protocol.encode(protocol.ErrorReply("hi")): (
             "expected hello, claim or release, got ErrorReply"
         ),
@@ -117,35 +140,26 @@ def test_prefill_side_channel_answers_garbage_with_errors_and_keeps_serving(peer
             "not 'someone-else'"
         ),
     }
-    sock = _dealer(port)
-    try:
-        for payload, message in bad_payloads.items():
-            sock.send_multipart([b"", payload])
-            frames = _reply(sock)
-            assert frames is not None, f"no answer to {payload[:16]!r}"
-            assert frames[0] == b""
-            answer = protocol.decode(frames[1])
-            assert isinstance(answer, protocol.ErrorReply), answer
-            assert message in answer.message, answer.message
-        # Messages outside the request envelope are dropped, not answered, not fatal.
-        sock.send_multipart([b"no-delimiter"])
-        sock.send_multipart([b"", b"a", b"b", b"c"])
-        assert _reply(sock, 0.5) is None
-        # An authenticated message to a side channel without a secret: refused, clearly
-        # (as a refusal, which an authenticating asker reports).
-        sock.send_multipart([b"", b"\x00" * 56, hello])
-        frames = _reply(sock)
-        assert frames is not None and frames[:2] == [b"", b""]
-        assert b"has no side_channel_secret" in frames[2]
-    finally:
-        sock.close()
-    # Raw bytes that are not ZMTP at all: the connection is dropped, the server lives on.
-    with socket.create_connection(("127.0.0.1", port), timeout=3) as raw:
-        raw.sendall(b"\xff" * 64 + b"GET / HTTP/1.1\r\n\r\n")
-    time.sleep(0.1)
+    for payload, message in bad_payloads.items():
+        answer = _answer(port, engine, payload)
+        assert isinstance(answer, protocol.ErrorReply), answer
+        assert message in answer.message, answer.message
+    # What is not a well-framed request is refused at the framing, answered, and the
+    # connection closed; the server lives on.
+    for data, code in [
+        (b"\xff" * 64 + b"GET / HTTP/1.1\r\n\r\n", "malformed"),
+        (b"KVSC\x01\x01\x00\x00" + (600 << 20).to_bytes(4, "big"), "oversize"),
+        (side_channel.encode_request(hello, "someone@127.0.0.1:1")[0], "misaddressed"),
+        # a signed request to a side channel without a secret
+        (side_channel.encode_request(hello, f"{engine}@127.0.0.1:{port}", b"k" * 16)[0],
+         "unauthenticated"),
+    ]:  # fmt: skip
+        reply = _exchange(port, data)
+        assert reply is not None, code
+        assert msgspec.msgpack.decode(reply)[0] == code
 
     # A good handshake still works, and so does a read.
-    answer = protocol.decode(ask("127.0.0.1", port, hello, timeout_s=HANDSHAKE_S))
+    answer = protocol.decode(ask("127.0.0.1", port, hello, HANDSHAKE_S, engine_id=engine))
     assert isinstance(answer, protocol.HandshakeReply)
     assert answer.engine_id == info["engine_id"]
     decoder = decoders("g4tiny", "per_layer")
@@ -155,51 +169,61 @@ def test_prefill_side_channel_answers_garbage_with_errors_and_keeps_serving(peer
 
 
 class FakeSideChannel:
-    """A raw ZMQ ROUTER standing where a prefill's side channel should be."""
+    """A raw TCP server standing where a prefill's side channel should be."""
 
     def __init__(self, behaviour: str, topology):
         self.behaviour = behaviour
         self.topology = topology
         self.asked = 0
-        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self.port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self._server.settimeout(0.05)
+        self.port = self._server.getsockname()[1]
         self._stop = threading.Event()
+        self._open: list[socket.socket] = []
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
 
-    def _answer(self, payload: bytes) -> list[bytes] | None:
+    def _answer(self) -> bytes | None:
+        ok = side_channel.encode_reply
         if self.behaviour == "garbage":
-            return [b"", b"\x93\xff\x00 definitely not msgpack"]
+            return ok("ok", b"\x93\xff\x00 definitely not msgpack")
         if self.behaviour == "wrong_type":
-            return [b"", protocol.encode(protocol.Hello(protocol.PROTOCOL_VERSION, "fake"))]
+            return ok("ok", protocol.encode(protocol.Hello(protocol.PROTOCOL_VERSION, "fake")))
         if self.behaviour == "refuses":
-            return [b"", protocol.encode(protocol.ErrorReply("go away"))]
+            return ok("ok", protocol.encode(protocol.ErrorReply("go away")))
         if self.behaviour == "bad_frames":
-            return [b"", b"one", b"two"]
+            return b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * 64
         if self.behaviour == "bad_layout":
             layout = protocol.layout_to_msg(self.topology)
             layout = msgspec.structs.replace(layout, fingerprint="0" * 16)
             reply = protocol.HandshakeReply(
                 protocol.PROTOCOL_VERSION, "fake", "fake-agent", b"not metadata", layout
             )
-            return [b"", protocol.encode(reply)]
+            return ok("ok", protocol.encode(reply))
         return None  # silent
 
     def _serve(self) -> None:
         while not self._stop.is_set():
-            if not self._sock.poll(50):
+            try:
+                conn, _ = self._server.accept()
+            except TimeoutError:
                 continue
-            identity, *rest = self._sock.recv_multipart()
-            self.asked += 1
-            answer = self._answer(rest[-1])
-            if answer is not None:
-                self._sock.send_multipart([identity, *answer])
+            self._open.append(conn)
+            conn.settimeout(5)
+            with contextlib.suppress(OSError, ConnectionError):
+                header = _recv(conn, side_channel.HEADER_BYTES)
+                _recv(conn, int.from_bytes(header[-4:], "big"))
+                self.asked += 1
+                answer = self._answer()
+                if answer is not None:
+                    conn.sendall(answer)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        self._sock.close()
+        for conn in self._open:
+            conn.close()
+        self._server.close()
 
 
 @pytest.mark.parametrize(
@@ -208,11 +232,12 @@ class FakeSideChannel:
         ("garbage", "answered garbage"),
         ("wrong_type", "answered a Hello"),
         ("refuses", "refused the handshake: go away"),
-        ("bad_frames", "malformed frame"),
+        ("bad_frames", "answered something else than a kvshare side-channel reply"),
         ("bad_layout", "unusable layout: layout fingerprint does not match"),
         ("silent", f"no answer from the prefill side channel at 127.0.0.1:{{port}} within "
                    f"{FAULT_HANDSHAKE_S:g} s"),
-        ("nobody", "no answer from the prefill side channel"),
+        ("nobody", "no answer from the prefill side channel at 127.0.0.1:{port}: Connection "
+                   "refused"),
     ],
 )  # fmt: skip
 def test_broken_side_channel_fails_the_request_in_bounded_time(decoders, behaviour, expected):
@@ -231,7 +256,7 @@ def test_broken_side_channel_fails_the_request_in_bounded_time(decoders, behavio
         }
         decoder.zero()
         request_id = new_id(behaviour)
-        decoder.sink.request(request_id, protocol.remote_prefill_params(params), ids)
+        decoder.sink.request(request_id, kv_params.remote_prefill_params(params), ids)
         done, failure, seconds = decoder.wait(request_id, FAULT_HANDSHAKE_S + 5)
     finally:
         if fake:
@@ -241,9 +266,9 @@ def test_broken_side_channel_fails_the_request_in_bounded_time(decoders, behavio
     assert failure.startswith("HandshakeError: "), failure
     assert expected.format(port=port) in failure, failure
     assert seconds < FAULT_HANDSHAKE_S + 2.0
-    if behaviour in ("silent", "nobody"):
+    if behaviour == "silent":
         assert seconds >= FAULT_HANDSHAKE_S * 0.9  # it did wait, for the bound and no longer
-    else:
+    elif fake is not None:
         assert fake.asked == 1
     assert request_id not in decoder.sink.in_flight
     assert decoder.untouched()
@@ -311,7 +336,7 @@ def test_prefill_killed_mid_transfer_and_after_handshake(peers, decoders):
         first = new_id("victim")
         decoder.sink.request(
             first,
-            protocol.remote_prefill_params(info["requests"][0]["kv_transfer_params"]),
+            kv_params.remote_prefill_params(info["requests"][0]["kv_transfer_params"]),
             local_ids,
         )
         done, failure, _ = decoder.wait(first, HANDSHAKE_S + TRANSFER_S)
@@ -329,7 +354,7 @@ def test_prefill_killed_mid_transfer_and_after_handshake(peers, decoders):
         second = new_id("victim")
         decoder.sink.request(
             second,
-            protocol.remote_prefill_params(info["requests"][1]["kv_transfer_params"]),
+            kv_params.remote_prefill_params(info["requests"][1]["kv_transfer_params"]),
             local_ids,
         )
         done, failure, seconds = decoder.wait(second, TRANSFER_S + 5)
@@ -350,7 +375,7 @@ def test_prefill_killed_mid_transfer_and_after_handshake(peers, decoders):
         third = new_id("victim")
         decoder.sink.request(
             third,
-            protocol.remote_prefill_params(info["requests"][2]["kv_transfer_params"]),
+            kv_params.remote_prefill_params(info["requests"][2]["kv_transfer_params"]),
             local_ids,
         )
         done, failure, seconds = decoder.wait(third, HANDSHAKE_S + TRANSFER_S + 5)
@@ -366,7 +391,7 @@ def test_prefill_killed_mid_transfer_and_after_handshake(peers, decoders):
     params = dict(info["requests"][2]["kv_transfer_params"])
     params["remote_block_ids"] = request_block_ids(fault.topology, TOKENS, seed=17)
     late = new_id("victim-late")
-    fault.sink.request(late, protocol.remote_prefill_params(params), params["remote_block_ids"])
+    fault.sink.request(late, kv_params.remote_prefill_params(params), params["remote_block_ids"])
     done, failure, seconds = fault.wait(late, FAULT_HANDSHAKE_S + 5)
     assert not done and "HandshakeError: no answer" in failure
     assert fault.sink.in_flight == set()
@@ -405,11 +430,11 @@ def test_timed_out_read_keeps_its_blocks_until_nixl_lets_go(peers, decoders, mon
     request = peers.main.request("drain", 0)
     local_ids = request_block_ids(decoder.topology, TOKENS, seed=41)
     rid = new_id("drain")
-    monkeypatch.setattr(sink, "transfer_timeout_s", 0.2)
+    monkeypatch.setattr(sink, "settings", replace(sink.settings, transfer_timeout_s=0.2))
     monkeypatch.setattr(transport, "state", lambda handle: "PROC")  # never finishes
     real_release = type(transport).release
     monkeypatch.setattr(transport, "release", lambda handle: False)  # NIXL refuses
-    sink.request(rid, protocol.remote_prefill_params(request["kv_transfer_params"]), local_ids)
+    sink.request(rid, kv_params.remote_prefill_params(request["kv_transfer_params"]), local_ids)
     deadline = time.monotonic() + HANDSHAKE_S + 5
     failed: dict[str, str] = {}
     while time.monotonic() < deadline:
@@ -447,7 +472,7 @@ def test_bad_block_ids_fail_the_request_and_free_prefill(peers, decoders, fault)
         expected = "DescriptorError: remote block id 1000000 of group 5 is out of range"
     decoder.zero()
     request_id = new_id(fault)
-    decoder.sink.request(request_id, protocol.remote_prefill_params(params), local_ids)
+    decoder.sink.request(request_id, kv_params.remote_prefill_params(params), local_ids)
     done, failure, _ = decoder.wait(request_id, HANDSHAKE_S + 5)
 
     assert not done

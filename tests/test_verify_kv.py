@@ -25,6 +25,7 @@ from kvshare_connector.devtools.demo import (
 )
 from kvshare_connector.layout import verification
 from kvshare_connector.transfer.nixl import NixlTransport
+from kvshare_connector.transfer.settings import EngineSettings
 from kvshare_connector.transfer.sink import KVSink
 
 from .support.transfer_peer import PeerProcess, overwrite_first_block
@@ -58,11 +59,9 @@ class Decode:
         self.stack, self.topology = build(model, layout, kv_mib, 2048)
         name = f"verify-{model}-{layout}-{verify}-{os.getpid()}"
         self.sink = KVSink(
-            name,
             self.topology,
             NixlTransport(name, progress_thread=False),  # see transfer_peer.peer_env
-            10.0,
-            10.0,
+            EngineSettings(name, handshake_timeout_s=10.0, transfer_timeout_s=10.0),
             packer=cpu_packer(self.stack, packed_mib),
             digester=cpu_digester(self.stack) if verify else None,
         )
@@ -214,13 +213,15 @@ def test_digest_reference_matches_the_kernel_and_sees_one_word():
 
 def test_verify_kv_option_is_strict_and_the_lmcache_backend_refuses_it():
     from kvshare_connector.backends import create_backend
-    from kvshare_connector.backends.base import flag_option
+    from kvshare_connector.backends.options import ConnectorOptions
 
-    assert flag_option({"verify_kv": True}, "verify_kv") is True
-    assert flag_option({"verify_kv": "false"}, "verify_kv") is False
-    assert flag_option({}, "verify_kv") is False
+    def parse(extra):
+        return ConnectorOptions.parse(extra, environ={})
+
+    assert parse({"verify_kv": True}).verify_kv is True
+    assert parse({"verify_kv": "false"}).verify_kv is False
     with pytest.raises(ValueError, match="must be true or false"):
-        flag_option({"verify_kv": "yes"}, "verify_kv")
+        parse({"verify_kv": "maybe"})
     lmcache = {"backend": "lmcache", "lmcache": {"remote_url": "lm://127.0.0.1:1"}}
     with pytest.raises(ValueError, match="verify_kv is a feature of the nixl backend"):
-        create_backend({**lmcache, "verify_kv": True})
+        create_backend(parse({**lmcache, "verify_kv": True}))

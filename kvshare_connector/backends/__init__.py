@@ -7,12 +7,10 @@ only when chosen, so a backend's heavy dependencies (LMCache) load only where it
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
-from typing import Any
 
 from kvshare_connector.backends.base import Backend
+from kvshare_connector.backends.options import ConnectorOptions
 
-DEFAULT_BACKEND = "nixl"
 _REGISTRY: dict[str, tuple[str, str]] = {
     "nixl": ("kvshare_connector.backends.nixl", "NixlBackend"),
     "lmcache": ("kvshare_connector.backends.lmcache", "LMCacheBackend"),
@@ -23,12 +21,10 @@ def backend_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def create_backend(extra_config: Mapping[str, Any] | None) -> Backend:
-    """The backend named by ``extra_config["backend"]`` (default NIXL), its options parsed."""
-    extra = dict(extra_config or {})
-    name = extra.get("backend", DEFAULT_BACKEND)
-    if name not in _REGISTRY:
-        raise ValueError(f"KVShareConnector: backend {name!r} not in {backend_names()}")
-    module, cls = _REGISTRY[name]
+def create_backend(options: ConnectorOptions) -> Backend:
+    """The backend the ``backend`` option names (default NIXL), its options checked."""
+    if options.backend not in _REGISTRY:
+        raise ValueError(f"KVShareConnector: backend {options.backend!r} not in {backend_names()}")
+    module, cls = _REGISTRY[options.backend]
     backend_cls: type[Backend] = getattr(importlib.import_module(module), cls)
-    return backend_cls(extra)
+    return backend_cls(options)

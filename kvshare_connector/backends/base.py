@@ -14,25 +14,19 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from kvshare_connector.backends.options import ConnectorOptions
 from kvshare_connector.layout.matching import EngineIdentity
-from kvshare_connector.layout.topology import KVTopology
-from kvshare_connector.transfer.protocol import RemotePrefillParams
+from kvshare_connector.layout.topology import BlockIds, KVTopology
+from kvshare_connector.transfer.kv_params import RemotePrefillParams
+from kvshare_connector.transfer.records import LaneReport, TransferRecord
+from kvshare_connector.transfer.settings import EngineSettings
 
-BlockIds = tuple[list[int], ...]  # one list of block ids per KV cache group
-Hold = tuple[float, BlockIds]  # lease seconds, the request's held blocks per group
+if TYPE_CHECKING:
+    import torch
 
-
-def flag_option(extra_config: Mapping[str, Any], key: str, default: bool = False) -> bool:
-    """A true/false option of ``kv_connector_extra_config`` (JSON bool, or its string form
-    from a CLI): anything else fails at engine start instead of being read as true."""
-    value = extra_config.get(key, default)
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-        return value.lower() in ("true", "1")
-    raise ValueError(f"kv_connector_extra_config.{key} must be true or false, got {value!r}")
+    KVTensors = Mapping[str, torch.Tensor] | torch.Tensor  # per layer, or 0.26's cross-layer
 
 
 def empty_block_ids(num_groups: int) -> BlockIds:
@@ -46,10 +40,10 @@ class SchedulerContext:
     engine_id: str
     host: str  # side channel prefill serves on
     port: int
-    lease_s: float
     tp_size: int
     block_sizes: Sequence[int]  # per KV cache group
     sliding_windows: Sequence[int | None]  # per KV cache group, None for full attention
+    options: ConnectorOptions = field(default_factory=ConnectorOptions)
 
     @property
     def num_groups(self) -> int:
@@ -64,7 +58,7 @@ class SchedulerContext:
             for window, size in zip(self.sliding_windows, self.block_sizes, strict=True)
         ]
 
-    def clip_to_windows(self, block_ids: Sequence[Sequence[int]]) -> BlockIds:
+    def clip_to_windows(self, block_ids: BlockIds) -> BlockIds:
         """Keep only the blocks a sliding-window group still needs (the tail)."""
         return tuple(
             list(ids[-keep:]) if keep and len(ids) > keep else list(ids)
@@ -98,6 +92,25 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True)
+class LoadOrder:
+    """Scheduler -> worker: bring ``request_id``'s KV into ``local_block_ids``. Each backend
+    adds what its workers need (``backends.nixl.RecvRequest``, ``backends.lmcache.LoadKV``)."""
+
+    request_id: str
+    local_block_ids: BlockIds
+
+
+@dataclass(frozen=True)
+class StoreOrder:
+    """Scheduler -> worker, for backends that push KV out as it is computed: store the
+    prompt ``token_ids``' KV from ``block_ids`` right after this step's forward."""
+
+    request_id: str
+    token_ids: list[int]
+    block_ids: BlockIds  # full tables from position 0, one per group
+
+
+@dataclass(frozen=True)
 class PrefillResult:
     """What prefill keeps of a finished request and adds to ``kv_transfer_params``."""
 
@@ -117,10 +130,10 @@ class SchedulerBackend(ABC):
         return None
 
     @abstractmethod
-    def decode_allocated(self, request: DecodeRequest) -> Any | None:
+    def decode_allocated(self, request: DecodeRequest) -> LoadOrder | None:
         """Return the load order to hand the worker (None: nothing to do)."""
 
-    def decode_aborted(self, request_id: str, params: RemotePrefillParams) -> Any | None:
+    def decode_aborted(self, request_id: str, params: RemotePrefillParams) -> LoadOrder | None:
         """Decode dropped a request before loading it: an order that frees prefill's blocks."""
         return None
 
@@ -131,7 +144,7 @@ class SchedulerBackend(ABC):
     def needs_steps(self) -> bool:
         return False
 
-    def stores(self, step: Sequence[ScheduledRequest]) -> list[Any]:
+    def stores(self, step: Sequence[ScheduledRequest]) -> list[StoreOrder]:
         """Store orders for this step (backends that push KV somewhere as it is computed)."""
         return []
 
@@ -148,30 +161,25 @@ class WorkerProgress:
     expired: set[str] = field(default_factory=set)  # prefill: lease ran out, blocks freed
     loaded: set[str] = field(default_factory=set)  # decode: KV is in place
     failed: dict[str, str] = field(default_factory=dict)  # decode: request id -> reason
-    records: list[Any] = field(default_factory=list)  # finished reads, for stats
+    records: list[TransferRecord] = field(default_factory=list)  # finished reads, for stats
+    lanes: list[LaneReport] = field(default_factory=list)  # lane probes measured, for stats
     counters: dict[str, int] = field(default_factory=dict)  # stats counters to add
 
 
 @dataclass(frozen=True)
 class WorkerContext:
-    """What a backend's worker side knows of its engine."""
+    """What a backend's worker side knows of its engine, and the options it runs with."""
 
     engine_id: str
     role: str  # kv_producer / kv_consumer / kv_both
     host: str
-    port: int
-    lease_s: float
-    handshake_timeout_s: float
-    transfer_timeout_s: float
+    port: int  # this worker's side channel (TP: the base port + its rank)
     model_name: str
-    side_channel_secret: bytes | None = None  # HMAC key of every side-channel message
+    options: ConnectorOptions = field(default_factory=ConnectorOptions)
     engine_identity: EngineIdentity | None = None  # model, dtypes, block size, vLLM version
-    staging_bytes: int = 0  # packed transfer: staging area per engine (0: block by block)
-    verify_kv: bool = False  # digest KV on both sides; a load that differs fails
-    tp_size: int = 1  # TP: this engine's size and this worker's rank (its port is base + rank)
+    tp_size: int = 1  # TP: this engine's size and this worker's rank
     tp_rank: int = 0
     model_kv_heads: int = 0  # the model's KV heads before the TP split (0: unknown)
-    nixl_progress_thread: bool = True  # NIXL's background progress thread (busy-polls a core)
 
     @property
     def produces(self) -> bool:
@@ -181,6 +189,22 @@ class WorkerContext:
     def consumes(self) -> bool:
         return self.role in ("kv_consumer", "kv_both")
 
+    def settings(self) -> EngineSettings:
+        """What the transfer layer needs of this engine and its options."""
+        o = self.options
+        return EngineSettings(
+            engine_id=self.engine_id,
+            host=self.host,
+            port=self.port,
+            lease_s=o.kv_lease_duration,
+            handshake_timeout_s=o.handshake_timeout_s,
+            transfer_timeout_s=o.transfer_timeout_s,
+            secret=o.secret,
+            insecure=o.side_channel_insecure,
+            identity=self.engine_identity,
+            allowed_prefills=frozenset(o.allowed_prefills) if o.allowed_prefills else None,
+        )
+
 
 class WorkerBackend(ABC):
     """Worker side: owns the transfer machinery for the registered KV memory."""
@@ -189,19 +213,19 @@ class WorkerBackend(ABC):
         self.context = context
 
     @abstractmethod
-    def start(self, topology: KVTopology, tensors: Any) -> str:
+    def start(self, topology: KVTopology, tensors: KVTensors) -> str:
         """Register the owners' KV memory; return a line describing it for the log."""
 
     @abstractmethod
-    def start_loads(self, orders: Sequence[Any]) -> dict[str, str]:
+    def start_loads(self, orders: Sequence[LoadOrder]) -> dict[str, str]:
         """Begin these load orders; return the requests that failed at once, with reasons."""
 
-    def hold(self, holds: Mapping[str, Hold]) -> None:
-        """Keep these requests' blocks for decode (request id -> lease seconds and block
-        ids); backends that hold nothing on prefill ignore it."""
+    def hold(self, holds: Mapping[str, BlockIds]) -> None:
+        """Keep these requests' blocks for decode (request id -> block ids per group, under
+        the engine's lease); backends that hold nothing on prefill ignore it."""
         return None
 
-    def save(self, orders: Sequence[Any]) -> int:
+    def save(self, orders: Sequence[StoreOrder]) -> int:
         """Carry out this step's store orders (after the forward); return how many."""
         return 0
 
@@ -220,14 +244,14 @@ class WorkerBackend(ABC):
 class Backend(ABC):
     """A backend's options and its two halves; the factory maps the ``backend`` option to one.
 
-    Options are parsed in the constructor, in both the scheduler's and the workers'
+    Options are checked in the constructor, in both the scheduler's and the workers'
     processes, so bad options fail at engine start rather than on the first request.
     """
 
     name: ClassVar[str]
 
-    def __init__(self, extra_config: Mapping[str, Any]):
-        self.extra_config = extra_config
+    def __init__(self, options: ConnectorOptions):
+        self.options = options
 
     @abstractmethod
     def scheduler_side(self, context: SchedulerContext) -> SchedulerBackend: ...

@@ -2,22 +2,22 @@
 
 Prefill holds a finished request's blocks (clipped to each sliding window) under a lease and
 serves its layout on the side channel (``transfer.source.KVSource``); decode handshakes,
-claims the request and READs into the blocks vLLM allocated (``transfer.sink.KVSink``), then
-notifies prefill, which frees them.
+measures the lane, claims the request and READs into the blocks vLLM allocated
+(``transfer.sink.KVSink``), then notifies prefill, which frees them.
 """
 
 from __future__ import annotations
 
+import secrets
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvshare_connector.backends.base import (
     Backend,
-    BlockIds,
     DecodeRequest,
-    Hold,
+    LoadOrder,
     PrefillResult,
     SchedulerBackend,
     SchedulerContext,
@@ -27,48 +27,51 @@ from kvshare_connector.backends.base import (
     empty_block_ids,
 )
 from kvshare_connector.common.log import get_logger
-from kvshare_connector.layout.topology import KVTopology
+from kvshare_connector.layout.topology import BlockIds, KVTopology
+from kvshare_connector.transfer import lanes
 from kvshare_connector.transfer.digests import Digester
+from kvshare_connector.transfer.kv_params import RemotePrefillParams
 from kvshare_connector.transfer.nixl import NixlTransport
 from kvshare_connector.transfer.packing import MemoryMap, Packer, StagingArea
-from kvshare_connector.transfer.protocol import RemotePrefillParams
+from kvshare_connector.transfer.probe import ProbeBuffer
 from kvshare_connector.transfer.shards import ShardedSink, rank_shard
 from kvshare_connector.transfer.source import KVSource
 
+if TYPE_CHECKING:
+    from kvshare_connector.backends.base import KVTensors
+
 logger = get_logger(__name__)
 
-_RELEASE_SUFFIX = "#release"  # internal ids of notify-only reads (nothing to load)
 
+@dataclass(frozen=True)
+class RecvRequest(LoadOrder):
+    """Decode: read ``params.remote_block_ids`` into ``local_block_ids``; with
+    ``release_only``, read nothing and only tell prefill to free the request's blocks."""
 
-@dataclass
-class RecvRequest:
-    """Decode: read ``params.remote_block_ids`` into ``local_block_ids`` (empty: only tell
-    prefill to free the request's blocks)."""
-
-    request_id: str
     params: RemotePrefillParams
-    local_block_ids: BlockIds
     num_tokens: int | None = None  # decode's prompt length: the sink checks block counts
     num_local_tokens: int = 0  # of which cached locally
+    release_only: bool = False
 
 
 class NixlScheduler(SchedulerBackend):
     def decode_allocated(self, request: DecodeRequest) -> RecvRequest:
-        if request.num_external_tokens > 0:
-            local = self.context.clip_to_windows(request.new_block_ids)
-        else:  # everything is cached locally: only let prefill free its blocks
-            local = empty_block_ids(self.context.num_groups)
+        nothing = request.num_external_tokens <= 0  # all cached locally: only free prefill
         return RecvRequest(
             request.request_id,
+            empty_block_ids(self.context.num_groups)
+            if nothing
+            else self.context.clip_to_windows(request.new_block_ids),
             request.params,
-            local,
             len(request.prompt_token_ids),
             request.num_local_tokens,
+            release_only=nothing,
         )
 
     def decode_aborted(self, request_id: str, params: RemotePrefillParams) -> RecvRequest:
         # Aborted before blocks were allocated: prefill still holds blocks for it.
-        return RecvRequest(request_id, params, empty_block_ids(self.context.num_groups))
+        empty = empty_block_ids(self.context.num_groups)
+        return RecvRequest(request_id, empty, params, release_only=True)
 
     def prefill_finished(self, request_id: str, block_ids: BlockIds) -> PrefillResult:
         clipped = self.context.clip_to_windows(block_ids)
@@ -80,44 +83,48 @@ class NixlWorker(WorkerBackend):
         super().__init__(context)
         self.source: KVSource | None = None
         self.sink: ShardedSink | None = None
+        self._releasing: set[str] = set()  # release-only orders still under way
 
-    def start(self, topology: KVTopology, tensors: Any) -> str:
-        c = self.context
+    def start(self, topology: KVTopology, tensors: KVTensors) -> str:
+        c, o = self.context, self.context.options
+        # UCX reads its settings when the agent starts: the lane is chosen before that.
+        kinds = {r.mem_kind for r in topology.regions}
+        ipc = [lanes.legacy_ipc_capable(r.addr) for r in topology.regions if r.mem_kind == "VRAM"]
+        kv_ipc_capable = None if not ipc or None in ipc else all(ipc)
+        plan = lanes.plan_lane(kinds, vmm=False in ipc, mode=o.ucx_lane)
+        lanes.apply(plan)
         transport = NixlTransport(
-            f"{c.engine_id}-{c.role}-{uuid.uuid4().hex[:6]}",
-            progress_thread=c.nixl_progress_thread,
+            f"{c.engine_id}-{c.role}-{uuid.uuid4().hex[:6]}", progress_thread=o.nixl_progress_thread
         )
-        secret, identity = c.side_channel_secret, c.engine_identity
+        settings = c.settings()
         values = list(tensors.values()) if isinstance(tensors, Mapping) else [tensors]
         memory = MemoryMap(values)  # torch views of the KV storages: packing and digests
-        digester = Digester(memory, values[0].device) if c.verify_kv else None
+        device = values[0].device
+        digester = Digester(memory, device) if o.verify_kv else None
         shard = rank_shard(topology, c.tp_size, c.tp_rank, c.model_kv_heads)  # TP: our heads
+        packers = []
         if c.produces:
+            packers.append(self._packer(memory, device))
             self.source = KVSource(
-                c.engine_id,
                 topology,
                 transport,
-                c.host,
-                c.port,
-                c.lease_s,
-                identity,
-                secret,
-                packer=self._packer(memory, values[0].device),
+                settings,
+                packer=packers[-1],
                 digester=digester,
                 shard=shard,
+                probe=self._probe(device, seed=secrets.randbits(62)),
+                lane=lanes.LaneInfo(lanes.effective(), kv_ipc_capable),
             )
         if c.consumes:
+            packers.append(self._packer(memory, device))
             self.sink = ShardedSink(
                 shard,
                 topology,
-                engine_id=c.engine_id,
-                transport=transport,
-                handshake_timeout_s=c.handshake_timeout_s,
-                transfer_timeout_s=c.transfer_timeout_s,
-                identity=identity,
-                secret=secret,
-                packer=self._packer(memory, values[0].device),
+                transport,
+                settings,
+                packer=packers[-1],
                 digester=digester,
+                probe=self._probe(device),
             )
         registered = sum(r.nbytes for r in topology.regions)
         line = f"TP rank {c.tp_rank}/{c.tp_size}: " if c.tp_size > 1 else ""
@@ -125,57 +132,69 @@ class NixlWorker(WorkerBackend):
         line += f"region(s) ({registered / 2**20:.1f} MiB)"
         if self.source is not None:
             line += f"; side channel {c.host}:{self.source.port}"
-        packers = [s.packer for s in (self.source, self.sink) if s is not None and s.packer]
-        line += f"; packed transfer {'on' if packers else 'off'}"
-        if packers:
-            line += f" ({sum(p.staging.nbytes for p in packers) / 2**20:.0f} MiB staging)"
-        return line + f"; verify_kv {'on' if digester else 'off'}"
+        staging = sum(p.staging.nbytes for p in packers if p is not None)
+        packing = f"on ({staging / 2**20:.0f} MiB staging)" if staging else "off"
+        line += f"; packed transfer {packing}"
+        line += f"; verify_kv {'on' if digester else 'off'}"
+        return line + f"; UCX lane: {plan.describe()}"
 
     def _packer(self, memory: MemoryMap, device: Any) -> Packer | None:
         """A staging area on the KV's device (None: packing off, or no room for it:
         transfers go block by block)."""
-        if self.context.staging_bytes <= 0:
+        if self.context.options.staging_bytes <= 0:
             return None
         try:
-            return Packer(memory, StagingArea(self.context.staging_bytes, device))
+            return Packer(memory, StagingArea(self.context.options.staging_bytes, device))
         except Exception as exc:  # e.g. no room on the device: slower, still correct
             logger.warning("packed transfer off: %s: %s", type(exc).__name__, exc)
             return None
 
-    def start_loads(self, orders: Sequence[RecvRequest]) -> dict[str, str]:
+    def _probe(self, device: Any, seed: int | None = None) -> ProbeBuffer | None:
+        """The lane probe buffer (prefill: holding the pattern of ``seed``), or None."""
+        nbytes = self.context.options.lane_probe_bytes
+        if nbytes <= 0:
+            return None
+        try:
+            return ProbeBuffer(nbytes, device, seed)
+        except Exception as exc:  # e.g. no room on the device: the lane goes unmeasured
+            logger.warning("lane probe off: %s: %s", type(exc).__name__, exc)
+            return None
+
+    def start_loads(self, orders: Sequence[LoadOrder]) -> dict[str, str]:
         failed: dict[str, str] = {}
         for order in orders:
-            nothing_to_load = not any(order.local_block_ids)
+            assert isinstance(order, RecvRequest)
             if self.sink is None:
-                if not nothing_to_load:
+                if not order.release_only:
                     failed[order.request_id] = f"engine role {self.context.role} cannot load KV"
                 continue
-            read_id = order.request_id + (_RELEASE_SUFFIX if nothing_to_load else "")
             try:
                 self.sink.request(
-                    read_id,
+                    order.request_id,
                     order.params,
                     order.local_block_ids,
                     order.num_tokens,
                     order.num_local_tokens,
                 )
             except Exception as exc:  # one request fails, never the engine
-                if not nothing_to_load:
+                if not order.release_only:
                     failed[order.request_id] = f"{type(exc).__name__}: {exc}"
+                continue
+            if order.release_only:
+                self._releasing.add(order.request_id)
         if orders and self.sink is not None:
             self.sink.advance()  # claims under way now, not when the step ends
         return failed
 
-    def hold(self, holds: Mapping[str, Hold]) -> None:
-        """Claims that name blocks other than the held ones are refused."""
-        for request_id, value in holds.items():
+    def hold(self, holds: Mapping[str, BlockIds]) -> None:
+        """Claims that name other blocks than the held ones are refused."""
+        for request_id, block_ids in holds.items():
             if self.source is None:
                 logger.error(
                     "request %s: engine role %s cannot serve KV", request_id, self.context.role
                 )
                 continue
-            lease_s, block_ids = value
-            self.source.hold(request_id, lease_s, block_ids)
+            self.source.hold(request_id, block_ids=block_ids)
 
     def poll(self) -> WorkerProgress:
         progress = WorkerProgress()
@@ -183,19 +202,18 @@ class NixlWorker(WorkerBackend):
             progress.sent, progress.expired = self.source.poll()
             progress.counters = self.source.take_refused()
         if self.sink is not None:
-            done, failed = self.sink.poll()
-            progress.failed = {
-                r: reason for r, reason in failed.items() if not r.endswith(_RELEASE_SUFFIX)
-            }
-            progress.loaded = {r for r in done if not r.endswith(_RELEASE_SUFFIX)}
-            progress.records, self.sink.records = self.sink.records, []
-            for counter, n in self.sink.counters.items():
+            taken = self.sink.take_progress()
+            ended = taken.done | set(taken.failed)
+            releases, self._releasing = self._releasing & ended, self._releasing - ended
+            progress.loaded = taken.done - releases  # a release-only order loads nothing
+            progress.failed = {r: why for r, why in taken.failed.items() if r not in releases}
+            progress.records, progress.lanes = taken.records, taken.lanes
+            for counter, n in taken.counters.items():
                 progress.counters[counter] = progress.counters.get(counter, 0) + n
-            self.sink.counters.clear()
         return progress
 
     def in_flight(self) -> set[str]:
-        return self.sink.in_flight if self.sink is not None else set()
+        return self.sink.in_flight - self._releasing if self.sink is not None else set()
 
     def close(self) -> None:
         if self.source is not None:

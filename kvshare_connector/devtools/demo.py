@@ -22,11 +22,14 @@ from typing import Any
 from kvshare_connector.common.child_process import Child
 from kvshare_connector.devtools import kvcheck
 from kvshare_connector.devtools.cpu_stack import LAYOUTS, MODELS
+from kvshare_connector.toolkit import checks
 
 READY = "KVSHARE_PREFILL_READY "
 DONE = "KVSHARE_PREFILL_DONE "
 
 DEMO_MODULE = "kvshare_connector.devtools.demo"  # its prefill child runs this module
+MAX_MODEL_LEN = 2048  # of the demo's KV caches: a request has at most this many tokens
+PROBE_MIB = 4  # the lane probe decode READs and checks after the handshake
 
 
 def blocks_per_group(topology: Any, tokens: int) -> list[int]:
@@ -98,8 +101,10 @@ def cpu_digester(stack: Any) -> Any:
 
 def run_prefill(args: argparse.Namespace) -> int:
     """Serve one request's KV until decode reads it or the lease ends (prints JSON lines)."""
+    from kvshare_connector.transfer.kv_params import kv_transfer_params
     from kvshare_connector.transfer.nixl import NixlTransport
-    from kvshare_connector.transfer.protocol import kv_transfer_params
+    from kvshare_connector.transfer.probe import ProbeBuffer
+    from kvshare_connector.transfer.settings import EngineSettings
     from kvshare_connector.transfer.source import KVSource
 
     stack, topology = build(args.model, args.layout, args.kv_mib, args.max_model_len)
@@ -107,13 +112,11 @@ def run_prefill(args: argparse.Namespace) -> int:
     kvcheck.fill(stack.kv_caches, topology, ids, seed=args.seed)
     engine_id = f"prefill-{uuid.uuid4().hex[:8]}"
     source = KVSource(
-        engine_id,
         topology,
         NixlTransport(engine_id),
-        "127.0.0.1",
-        0,
-        lease_s=args.lease_s,
+        EngineSettings(engine_id, lease_s=args.lease_s),
         packer=cpu_packer(stack, args.packed_mib),
+        probe=ProbeBuffer(PROBE_MIB << 20, "cpu", seed=args.seed),
     )
     request_id = "req-0"
     source.hold(request_id, block_ids=ids)
@@ -174,7 +177,7 @@ def spawn_prefill(
     seed: int = 0,
     lease_s: float = 30.0,
     kv_mib: int = 64,
-    max_model_len: int = 2048,
+    max_model_len: int = MAX_MODEL_LEN,
     linger_s: float = 1.0,
     timeout_s: float = 120.0,
     packed_mib: int = 0,
@@ -219,7 +222,7 @@ def read_and_check(
     check_ids: list[list[int]] | None = None,
 ) -> ReadResult:
     """Read one request through ``sink`` and check the pattern landed in ``local_ids``."""
-    from kvshare_connector.transfer.protocol import remote_prefill_params
+    from kvshare_connector.transfer.kv_params import remote_prefill_params
 
     start = time.monotonic()
     sink.request(request_id, remote_prefill_params(params), local_ids)
@@ -248,6 +251,8 @@ def read_and_check(
 
 def run_demo(args: argparse.Namespace) -> int:
     from kvshare_connector.transfer.nixl import NixlTransport
+    from kvshare_connector.transfer.probe import ProbeBuffer
+    from kvshare_connector.transfer.settings import EngineSettings
     from kvshare_connector.transfer.sink import KVSink
 
     print(
@@ -267,18 +272,20 @@ def run_demo(args: argparse.Namespace) -> int:
 
     # Decode's KV first: prefill's lease runs from its ready line, and building vLLM's
     # objects can take longer than the lease on a loaded machine.
-    stack, topology = build(args.model, args.decode_layout, 64, 2048)
+    stack, topology = build(args.model, args.decode_layout, 64, MAX_MODEL_LEN)
     sink = KVSink(
-        f"decode-{uuid.uuid4().hex[:8]}",
         topology,
         NixlTransport(f"decode-{uuid.uuid4().hex[:8]}"),
+        EngineSettings(f"decode-{uuid.uuid4().hex[:8]}"),
         packer=cpu_packer(stack, args.packed_mib),
+        probe=ProbeBuffer(PROBE_MIB << 20, "cpu"),
     )
     prefill = prefill_process()
     try:
         local_ids = request_block_ids(topology, args.tokens, seed=2)
         params = prefill.ready["kv_transfer_params"]
         result = read_and_check(sink, stack, topology, params, local_ids, seed=1, request_id="d-0")
+        lanes = sink.take_lanes()
         released = prefill.wait_done(30)
     finally:
         prefill.stop()
@@ -300,7 +307,11 @@ def run_demo(args: argparse.Namespace) -> int:
     layers = len(stack.kv_caches)
     bad_layers = len({m.split(" ")[0] for m in result.mismatches})
     ok = (
-        result.done and not result.mismatches and not result.stray and released["read"] == ["req-0"]
+        result.done
+        and not result.mismatches
+        and not result.stray
+        and released["read"] == ["req-0"]
+        and len(lanes) == 1
     )
     control_ok = negative.done and bool(negative.mismatches)
     rows = [
@@ -318,6 +329,10 @@ def run_demo(args: argparse.Namespace) -> int:
         ("descriptors", str(result.descriptors)),
         ("moved packed (staging areas, a few large runs)", str(result.packed)),
         ("read time (incl. handshake)", f"{result.seconds * 1000:.1f} ms"),
+        (
+            "lane (probe READ, bytes checked)",
+            ", ".join(f"{lane.lane}, {lane.gbps:.2f} GB/s" for lane in lanes) or "not measured",
+        ),
         ("layers holding prefill's KV (owners + sharers)", f"{layers - bad_layers}/{layers}"),
         ("stray writes outside the request", str(len(result.stray))),
         ("prefill released the blocks", str(released["read"] == ["req-0"])),
@@ -343,34 +358,47 @@ def _zero(topology: Any) -> None:
 # ---- command line -------------------------------------------------------------------------
 
 
+def check_demo(args: argparse.Namespace) -> None:
+    """What the demo needs here: vLLM (its KV objects) and NIXL (the transfer)."""
+    checks.require_module(["vllm"], "pip install vllm")
+    checks.require_module(["nixl", "nixl_cu13"], "pip install nixl-cu13==1.5.1")
+
+
 def add_parser(subparsers: Any) -> None:
     """Plug ``demo`` (and the internal ``prefill`` role) into the ``kvshare`` command."""
     demo = subparsers.add_parser("demo", help="real NIXL transfer of Gemma-4-shaped KV, checked")
     demo.add_argument("--model", choices=MODELS, default="gemma4_e2b_shape")
     demo.add_argument("--prefill-layout", choices=LAYOUTS, default="per_layer")
     demo.add_argument("--decode-layout", choices=LAYOUTS, default="per_layer")
-    demo.add_argument("--tokens", type=int, default=1000)
-    demo.add_argument("--lease-s", type=float, default=30.0)
+    demo.add_argument(
+        "--tokens",
+        type=checks.number(int, 1, MAX_MODEL_LEN),
+        default=1000,
+        help=f"tokens of the request read (1-{MAX_MODEL_LEN})",
+    )
+    demo.add_argument("--lease-s", type=checks.positive_float, default=30.0)
     demo.add_argument(
         "--packed-mib",
-        type=int,
+        type=checks.non_negative_int,
         default=64,
         help="staging area per side for packed transfer (0: read block by block)",
     )
-    demo.set_defaults(func=run_demo)
+    demo.set_defaults(func=run_demo, check=check_demo)
 
 
 def _prefill_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvshare_connector.devtools.demo prefill")
     parser.add_argument("--model", choices=MODELS, required=True)
     parser.add_argument("--layout", choices=LAYOUTS, required=True)
-    parser.add_argument("--tokens", type=int, required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lease-s", type=float, default=30.0)
-    parser.add_argument("--kv-mib", type=int, default=64)
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--linger-s", type=float, default=1.0)
-    parser.add_argument("--packed-mib", type=int, default=0, help="staging area (0: off)")
+    parser.add_argument("--tokens", type=checks.positive_int, required=True)
+    parser.add_argument("--seed", type=checks.non_negative_int, default=0)
+    parser.add_argument("--lease-s", type=checks.positive_float, default=30.0)
+    parser.add_argument("--kv-mib", type=checks.positive_int, default=64)
+    parser.add_argument("--max-model-len", type=checks.positive_int, default=MAX_MODEL_LEN)
+    parser.add_argument("--linger-s", type=checks.non_negative_float, default=1.0)
+    parser.add_argument(
+        "--packed-mib", type=checks.non_negative_int, default=0, help="staging area (0: off)"
+    )
     return parser
 
 

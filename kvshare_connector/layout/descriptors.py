@@ -16,9 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvshare_connector.layout.topology import BlockGeometry, KVTopology
-
-BlockIds = Sequence[Sequence[int]]  # one list of block ids per KV cache group
+from kvshare_connector.layout.topology import BlockGeometry, BlockIds, KVTopology
 
 
 class DescriptorError(ValueError):

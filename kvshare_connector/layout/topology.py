@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Dim labels of a layer's logical KV view (see ``vllm_adapter.dim_labels``).
+BlockIds = Sequence[Sequence[int]]  # one list of block ids per KV cache group
 BLOCK = "block"  # kernel blocks; a logical (scheduler) block may span several
 TOKEN = "token"  # tokens inside a kernel block
 HEAD = "head"  # KV heads
@@ -201,6 +202,14 @@ class KVTopology:
         object.__setattr__(
             self, "owners_by_group", tuple(tuple(g.layer_names) for g in self.groups)
         )
+
+    @property
+    def mem_kind(self) -> str:
+        """``DRAM`` or ``VRAM``: where every region of this KV lives."""
+        kinds = {r.mem_kind for r in self.regions}
+        if len(kinds) != 1:
+            raise TopologyError(f"KV regions span memory kinds {sorted(kinds)}")
+        return kinds.pop()
 
     def resolve(self, layer_name: str) -> str:
         """The owner whose KV ``layer_name`` reads (itself for an owner)."""

@@ -4,47 +4,40 @@ Subcommands live in their modules; each registers itself through ``add_parser(su
 and sets ``func(args) -> int``. ``kvshare_connector.devtools.demo`` is optional and imported
 lazily, so the command works (and starts fast) without it. Arguments after ``--`` go to
 ``vllm serve``.
+
+Bad input never ends in a traceback: argument types (``checks``) refuse malformed values,
+then a subcommand's ``check(args)``, when it sets one, looks at paths, executables, GPUs
+and ports before anything starts; either failure is one line on stderr and exit status 2.
+Failures of running servers keep their own report (the tail of the server's log).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
-import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+from kvshare_connector.toolkit import checks
 
 logger = logging.getLogger(__name__)
 
-
-def _env_pair(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key, value
-
-
-def _gpu_list(text: str) -> list[str]:
-    gpus = [g.strip() for g in text.split(",") if g.strip()]
-    if not gpus:
-        raise argparse.ArgumentTypeError("expected GPU ids like 0 or 0,1")
-    return gpus
+PASSTHROUGH_COMMANDS = ("serve-pd", "sweep")  # the ones that pass `-- ARGS` to vllm serve
 
 
 def _add_timeouts(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--connect-timeout",
-        type=float,
+        type=checks.positive_float,
         default=10.0,
         help="seconds to connect to a backend (default 10)",
     )
     p.add_argument(
         "--read-timeout",
-        type=float,
+        type=checks.positive_float,
         default=600.0,
         help="seconds to wait for each chunk of a backend answer (default 600)",
     )
@@ -70,15 +63,20 @@ def _run_proxy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_proxy(args: argparse.Namespace) -> None:
+    checks.check_ports(args.host, [("--port", args.port)])
+
+
 def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("proxy", help="run the PD proxy in front of running servers")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=checks.port_number, default=8000)
     p.add_argument(
         "--prefill",
         nargs="+",
         action="extend",
         required=True,
+        type=checks.http_url,
         metavar="URL",
         help="prefill (kv_producer) server URL(s), e.g. http://127.0.0.1:8100",
     )
@@ -87,11 +85,12 @@ def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
         nargs="+",
         action="extend",
         required=True,
+        type=checks.http_url,
         metavar="URL",
         help="decode (kv_consumer) server URL(s)",
     )
     _add_timeouts(p)
-    p.set_defaults(func=_run_proxy)
+    p.set_defaults(func=_run_proxy, check=_check_proxy)
 
 
 def serve_config_from_args(args: argparse.Namespace) -> Any:
@@ -113,7 +112,7 @@ def serve_config_from_args(args: argparse.Namespace) -> Any:
         max_model_len=args.max_model_len,
         layout=args.layout,
         kv_both=args.kv_both,
-        kv_extra_config=json.loads(args.kv_extra_config) if args.kv_extra_config else {},
+        kv_extra_config=dict(args.kv_extra_config or {}),
         served_model_name=args.served_model_name,
         vllm_args=list(args.passthrough),
         env=dict(args.env),
@@ -125,22 +124,36 @@ def serve_config_from_args(args: argparse.Namespace) -> Any:
         router=args.router,
         router_policy=args.router_policy,
         router_metrics_port=args.router_metrics_port,
-        router_args=shlex.split(args.router_args or ""),
+        router_args=list(args.router_args or []),
     )
     if args.log_dir is not None:
         kwargs["log_dir"] = args.log_dir
     return ServeConfig(**kwargs)
 
 
-def _run_serve_pd(args: argparse.Namespace) -> int:
-    from kvshare_connector.toolkit.launcher import (
-        colocated_deployment,
-        pd_deployment,
-        run_foreground,
-    )
+def _deployment(args: argparse.Namespace) -> Any:
+    from kvshare_connector.toolkit.launcher import colocated_deployment, pd_deployment
 
     cfg = serve_config_from_args(args)
-    deployment = colocated_deployment(cfg) if args.colocated else pd_deployment(cfg)
+    return colocated_deployment(cfg) if args.colocated else pd_deployment(cfg)
+
+
+def _check_serve_pd(args: argparse.Namespace) -> None:
+    """The model, where logs and the ready file go, then the plan's needs (see
+    ``Deployment.check``); keeps the checked deployment for ``_run_serve_pd``."""
+    args.model = checks.check_model(args.model)
+    if args.log_dir is not None:
+        checks.check_writable_dir(args.log_dir, "--log-dir")
+    if args.ready_file is not None:
+        checks.check_new_file(args.ready_file, "--ready-file")
+    args.deployment = _deployment(args)
+    args.deployment.check()
+
+
+def _run_serve_pd(args: argparse.Namespace) -> int:
+    from kvshare_connector.toolkit.launcher import run_foreground
+
+    deployment = getattr(args, "deployment", None) or _deployment(args)
     return run_foreground(deployment, args.ready_file)
 
 
@@ -156,40 +169,40 @@ def add_serve_pd_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument(
         "--port",
-        type=int,
+        type=checks.port_number,
         default=8000,
         help="endpoint port: the proxy (or the server with --colocated)",
     )
-    p.add_argument("--prefill-port", type=int, default=8100)
-    p.add_argument("--decode-port", type=int, default=8200)
+    p.add_argument("--prefill-port", type=checks.port_number, default=8100)
+    p.add_argument("--decode-port", type=checks.port_number, default=8200)
     p.add_argument(
         "--side-channel-port",
-        type=int,
+        type=checks.port_number,
         default=5600,
         help="VLLM_NIXL_SIDE_CHANNEL_PORT of the first engine; the others step by 16",
     )
-    p.add_argument("--num-prefill", type=int, default=1)
-    p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument("--num-prefill", type=checks.positive_int, default=1)
+    p.add_argument("--num-decode", type=checks.positive_int, default=1)
     p.add_argument(
         "--prefill-gpus",
-        type=_gpu_list,
+        type=checks.gpu_list,
         default=["0"],
         help="CUDA_VISIBLE_DEVICES per prefill server, cycled (default 0)",
     )
     p.add_argument(
         "--decode-gpus",
-        type=_gpu_list,
+        type=checks.gpu_list,
         default=["0"],
         help="CUDA_VISIBLE_DEVICES per decode server, cycled (default 0: same GPU)",
     )
     p.add_argument(
         "--gpu-memory-utilization",
-        type=float,
+        type=checks.fraction,
         default=None,
         help="per engine; default 0.85 split over the engines sharing a GPU",
     )
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=checks.positive_int, default=None)
+    p.add_argument("--max-model-len", type=checks.positive_int, default=None)
     p.add_argument(
         "--layout",
         choices=["per_layer", "cross_layer"],
@@ -198,12 +211,15 @@ def add_serve_pd_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--kv-both", action="store_true", help="run both engines as kv_both")
     p.add_argument(
-        "--kv-extra-config", default=None, help="JSON merged into kv_connector_extra_config"
+        "--kv-extra-config",
+        type=checks.json_object,
+        default=None,
+        help="JSON object merged into kv_connector_extra_config",
     )
     p.add_argument("--served-model-name", default=None)
     p.add_argument(
         "--env",
-        type=_env_pair,
+        type=checks.env_pair,
         action="append",
         default=[],
         metavar="KEY=VALUE",
@@ -212,9 +228,9 @@ def add_serve_pd_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--server-cmd",
         default=None,
-        help="server command template instead of `vllm serve {model} --host {host} "
-        "--port {port}` (fields: model host port role python); env "
-        "KVSHARE_SERVER_CMD works too",
+        help="server command template instead of `{vllm} serve {model} --host {host} "
+        "--port {port}` (fields: model host port role python vllm); env "
+        "KVSHARE_SERVER_CMD works too; no GPU check then",
     )
     p.add_argument(
         "--colocated",
@@ -227,10 +243,10 @@ def add_serve_pd_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="per-process logs (default runs/serve_pd/<timestamp>)",
     )
-    p.add_argument("--ready-timeout", type=float, default=900.0)
+    p.add_argument("--ready-timeout", type=checks.positive_float, default=900.0)
     p.add_argument(
         "--grace",
-        type=float,
+        type=checks.non_negative_float,
         default=20.0,
         help="seconds between SIGTERM and SIGKILL when stopping",
     )
@@ -258,26 +274,41 @@ def add_serve_pd_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--router-metrics-port",
-        type=int,
+        type=checks.port_number,
         default=None,
         help="vllm-router's Prometheus port (default: a free one)",
     )
-    p.add_argument("--router-args", default=None, help="more vllm-router arguments, one string")
+    p.add_argument(
+        "--router-args",
+        type=checks.shell_words,
+        default=None,
+        help="more vllm-router arguments, one string",
+    )
     _add_timeouts(p)
-    p.set_defaults(func=_run_serve_pd)
+    p.set_defaults(func=_run_serve_pd, check=_check_serve_pd)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's ``prog: error: message``, on one line without the usage block (its
+    subcommand parsers are of this class too)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(checks.EXIT_USAGE, f"{self.prog}: error: {checks.one_line(message)} "
+                  f"(see {self.prog} --help)\n")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvshare", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="kvshare", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_proxy_parser(sub)
     add_serve_pd_parser(sub)
-    from kvshare_connector.toolkit import sweep
+    from kvshare_connector.toolkit import lane, sweep
 
     sweep.add_parser(sub)
+    lane.add_parser(sub)
     try:  # optional subcommand, in its own module
         demo = importlib.import_module("kvshare_connector.devtools.demo")
     except ImportError as exc:
@@ -297,13 +328,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv, passthrough = argv[:cut], argv[cut + 1 :]
     parser = build_parser()
     args = parser.parse_args(argv)
-    if passthrough and args.command == "proxy":
-        parser.error("arguments after `--` are for vllm serve; `proxy` takes none")
+    if passthrough and args.command not in PASSTHROUGH_COMMANDS:
+        parser.exit(
+            checks.EXIT_USAGE,
+            f"kvshare {args.command}: error: arguments after `--` are for vllm serve; "
+            f"`{args.command}` takes none\n",
+        )
     args.passthrough = passthrough
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return int(args.func(args) or 0)
+    check = getattr(args, "check", None)
+    try:
+        if check is not None:
+            check(args)
+    except (ValueError, argparse.ArgumentTypeError) as exc:  # UsageError included
+        return _usage_error(args.command, exc)
+    except Exception as exc:  # a check that broke must not bury the input under a traceback
+        logger.debug("checking the arguments failed", exc_info=True)
+        return _usage_error(
+            args.command, f"cannot check the arguments: {type(exc).__name__}: {exc}"
+        )
+    try:
+        return int(args.func(args) or 0)
+    except checks.UsageError as exc:  # found late, still bad input
+        return _usage_error(args.command, exc)
+
+
+def _usage_error(command: str, message: object) -> int:
+    """One line on stderr, as argparse words its own errors; exit status 2."""
+    text = checks.one_line(message) or repr(message)
+    print(f"kvshare {command}: error: {text}", file=sys.stderr, flush=True)
+    return checks.EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -12,8 +12,11 @@ Conventions worth knowing:
   profiling at startup misreads memory that another engine is allocating at the same time;
 * ``ENABLE_KVCACHED=true`` implies ``VLLM_USE_V2_MODEL_RUNNER=0`` (kvcached 0.1.6 refuses
   vLLM 0.26's V2 model runner) unless that variable is set explicitly;
-* ``--server-cmd`` (or ``KVSHARE_SERVER_CMD``) replaces ``vllm serve {model} --host {host}
+* ``--server-cmd`` (or ``KVSHARE_SERVER_CMD``) replaces ``{vllm} serve {model} --host {host}
   --port {port}``, e.g. with tests/support/fake_vllm_server.py; the vLLM options follow it;
+  ``{vllm}`` is the ``vllm`` beside the running Python (its virtualenv), else on PATH;
+* ``Deployment.check`` looks at what a plan needs (executables, GPUs, free ports) before
+  anything starts, and raises ``checks.UsageError`` naming what is missing;
 * the front is our proxy (no dependency) or vllm-router (``router="vllm-router"``, the
   optional ``router`` extra): it does the same NIXL-style two-step (see docs/pd_toolkit.md).
 """
@@ -24,6 +27,7 @@ import importlib.util
 import json
 import logging
 import os
+import secrets
 import shlex
 import sys
 import time
@@ -33,6 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from kvshare_connector.common.files import write_atomic
+from kvshare_connector.toolkit.checks import (
+    UsageError,
+    check_gpus,
+    check_ports,
+    locate,
+    require_command,
+    require_executable,
+)
 from kvshare_connector.toolkit.procs import (
     LaunchError,
     ManagedProcess,
@@ -42,6 +54,7 @@ from kvshare_connector.toolkit.procs import (
     wait_healthy,
 )
 from kvshare_connector.toolkit.proxy import ProxyTimeouts
+from kvshare_connector.transfer.side_channel import SECRET_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +67,15 @@ LAYOUTS = ("per_layer", "cross_layer")
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 SIDE_CHANNEL_STRIDE = 16
 SERVER_CMD_ENV = "KVSHARE_SERVER_CMD"
-DEFAULT_SERVER_CMD = "vllm serve {model} --host {host} --port {port}"
+DEFAULT_SERVER_CMD = "{vllm} serve {model} --host {host} --port {port}"
+SERVER_CMD_FIELDS = ("model", "host", "port", "role", "python", "vllm")
 #: What fronts a PD deployment: our proxy (toolkit/proxy.py) or vllm-router's PD mode.
 ROUTERS = ("kvshare", "vllm-router")
 ROUTER_POLICIES = ("round_robin", "random", "power_of_two", "cache_aware", "consistent_hash")
+ROUTER_MISSING = (
+    "--router vllm-router: the vllm_router package is not installed here "
+    "(pip install 'kvshare-connector[router]', i.e. vllm-router==0.1.17)"
+)
 
 
 @dataclass
@@ -95,6 +113,9 @@ class ServeConfig:
     router_policy: str = "round_robin"  # vllm-router's --policy (prefill and decode)
     router_metrics_port: int | None = None  # vllm-router's Prometheus port; None: a free one
     router_args: list[str] = field(default_factory=list)  # more vllm-router arguments
+    # The side channel's shared secret for this deployment (KVSHARE_SIDE_CHANNEL_SECRET of
+    # every engine), unless the user gave one (--env, the environment, the extra config).
+    side_channel_secret: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
 
     def __post_init__(self) -> None:
         if self.layout is not None and self.layout not in LAYOUTS:
@@ -128,11 +149,22 @@ def client_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
+def side_channel_host(cfg: ServeConfig) -> str:
+    """The host prefill engines advertise for their side channels (vLLM's default:
+    localhost), which decode engines are allowed to reach."""
+    key = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+    return cfg.env.get(key) or os.environ.get(key) or "localhost"
+
+
 def kv_transfer_config(cfg: ServeConfig, role: str) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` of a prefill or decode engine."""
+    """The ``--kv-transfer-config`` of a prefill or decode engine: decode may reach only
+    the side channels of this deployment's prefills (``allowed_prefills``), unless the
+    extra config says otherwise."""
     extra = dict(cfg.kv_extra_config)
     if cfg.layout is not None:
         extra[LAYOUT_KEY] = cfg.layout == "cross_layer"
+    if role == "decode" or cfg.kv_both:
+        extra.setdefault("allowed_prefills", [side_channel_host(cfg)])
     kv: dict[str, Any] = {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": CONNECTOR_MODULE,
@@ -149,13 +181,25 @@ def _gpu_share(cfg: ServeConfig, engines_per_gpu: int) -> float:
     return round(0.85 / engines_per_gpu - 0.005, 2)
 
 
+def custom_server_cmd(server_cmd: str | None) -> str | None:
+    """The template replacing ``vllm serve`` (``--server-cmd``, else ``KVSHARE_SERVER_CMD``)."""
+    return server_cmd or os.environ.get(SERVER_CMD_ENV) or None
+
+
 def engine_argv(
     cfg: ServeConfig, role: str, port: int, gpu_share: float, kv: dict[str, Any] | None
 ) -> list[str]:
-    template = cfg.server_cmd or os.environ.get(SERVER_CMD_ENV) or DEFAULT_SERVER_CMD
-    argv = shlex.split(
-        template.format(model=cfg.model, host=cfg.host, port=port, role=role, python=sys.executable)
-    )
+    template = custom_server_cmd(cfg.server_cmd) or DEFAULT_SERVER_CMD
+    fields = dict(model=cfg.model, host=cfg.host, port=port, role=role, python=sys.executable)
+    try:
+        argv = shlex.split(template.format(**fields, vllm=shlex.quote(locate("vllm") or "vllm")))
+    except (KeyError, IndexError, ValueError) as exc:
+        detail = f"unknown field {{{exc.args[0]}}}" if isinstance(exc, KeyError) else exc
+        raise ValueError(
+            f"server command {template!r}: {detail} (fields: {' '.join(SERVER_CMD_FIELDS)})"
+        ) from None
+    if not argv:
+        raise ValueError(f"server command {template!r} is empty")
     if cfg.served_model_name:
         argv += ["--served-model-name", cfg.served_model_name]
     argv += ["--gpu-memory-utilization", str(gpu_share)]
@@ -169,10 +213,15 @@ def engine_argv(
 
 
 def engine_env(cfg: ServeConfig, gpu: str, side_channel_port: int | None) -> dict[str, str]:
+    """What an engine's environment adds: its GPU, and with a side channel its port and
+    the deployment's secret (in the environment, not on the command line `ps` shows)."""
     env = dict(cfg.env)
     env["CUDA_VISIBLE_DEVICES"] = gpu
     if side_channel_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
+        given = SECRET_ENV in env or os.environ.get(SECRET_ENV)
+        if not given and "side_channel_secret" not in cfg.kv_extra_config:
+            env[SECRET_ENV] = cfg.side_channel_secret
     kvcached = (env.get("ENABLE_KVCACHED") or os.environ.get("ENABLE_KVCACHED", "")).lower()
     if kvcached in ("1", "true") and "VLLM_USE_V2_MODEL_RUNNER" not in env:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
@@ -288,6 +337,17 @@ def start_waves(engines: Sequence[EngineSpec], parallel: bool | None) -> list[li
     return waves
 
 
+def check_server(cfg: ServeConfig, engines: Sequence[EngineSpec]) -> None:
+    """The engines' command runs here and, for vLLM itself, their GPUs are visible."""
+    if custom_server_cmd(cfg.server_cmd) is not None:
+        for program in sorted({e.argv[0] for e in engines}):
+            require_command(program, "--server-cmd (or KVSHARE_SERVER_CMD)")
+        return
+    require_executable("vllm", "install vLLM there (pip install vllm) or pass --server-cmd")
+    gpus = {e.env.get("CUDA_VISIBLE_DEVICES", "") for e in engines}
+    check_gpus(gpus, "vLLM engines need one (--server-cmd starts another server instead)")
+
+
 def _child_env(extra: dict[str, str]) -> dict[str, str]:
     env = dict(os.environ)
     env.update(extra)
@@ -322,12 +382,35 @@ class Deployment:
         if self.cfg.router == "kvshare":
             return self._spawn("proxy", proxy_argv(self.cfg, self.engines), {})
         if not vllm_router_available():
-            raise LaunchError(
-                "--router vllm-router: the vllm_router package is not installed here "
-                "(pip install 'kvshare-connector[router]', i.e. vllm-router==0.1.17)"
-            )
+            raise LaunchError(ROUTER_MISSING)
         port = self.cfg.router_metrics_port or pick_free_port(client_host(self.cfg.host))
         return self._spawn("router", router_argv(self.cfg, self.engines, port), {})
+
+    def planned_ports(self, side_channels: bool = True) -> list[tuple[str, int]]:
+        """(what, port) of every port the plan listens on (engines' side channels too)."""
+        flags = {"prefill": "--prefill-port", "decode": "--decode-port", "colocated": "--port"}
+        ports = [("--port (the proxy)", self.cfg.port)] if self.with_proxy else []
+        ports += [(f"{flags[e.role]} ({e.name})", e.port) for e in self.engines]
+        side = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+        if side_channels:
+            ports += [
+                (f"--side-channel-port ({e.name})", int(e.env[side]))
+                for e in self.engines
+                if side in e.env
+            ]
+        if self.with_proxy and self.cfg.router == "vllm-router" and self.cfg.router_metrics_port:
+            ports.append(("--router-metrics-port", self.cfg.router_metrics_port))
+        return ports
+
+    def check(self) -> None:
+        """Before starting anything: the server command (for vLLM: the executable and the
+        GPUs), vllm-router when it fronts, and every port (in range, distinct, free; side
+        channels only for vLLM itself). Raises ``UsageError`` naming the problem."""
+        check_server(self.cfg, self.engines)
+        if self.with_proxy and self.cfg.router == "vllm-router" and not vllm_router_available():
+            raise UsageError(ROUTER_MISSING)
+        real_vllm = custom_server_cmd(self.cfg.server_cmd) is None
+        check_ports(self.cfg.host, self.planned_ports(side_channels=real_vllm))
 
     def start(self) -> Deployment:
         """Start engines (in waves, one per GPU at a time unless ``parallel_start``), then

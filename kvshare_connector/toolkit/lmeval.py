@@ -17,6 +17,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvshare_connector.toolkit.checks import Range, check_fields
+
+_EVAL_RANGES: dict[str, Range] = {
+    "num_fewshot": (0, None, False, True),
+    "limit": (0, None, True, False),
+    "num_concurrent": (1, None, False, True),
+    "max_gen_toks": (1, None, False, True),
+    "request_timeout": (1, None, False, False),
+    "run_timeout": (0, None, True, False),
+}
+
 
 @dataclass
 class EvalSpec:
@@ -39,6 +50,7 @@ class EvalSpec:
     def __post_init__(self) -> None:
         if self.api not in ("auto", "chat", "completions"):
             raise ValueError(f"eval api must be auto, chat or completions, not {self.api!r}")
+        check_fields(self, "eval ", _EVAL_RANGES)
 
 
 @dataclass

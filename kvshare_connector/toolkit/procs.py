@@ -103,14 +103,17 @@ class ManagedProcess:
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(self.argv)}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen(
-                self.argv,
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+            try:
+                self.proc = subprocess.Popen(
+                    self.argv,
+                    env=self.env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            except OSError as exc:  # e.g. the program is not there
+                raise LaunchError(f"cannot start {self.name} ({self.argv[0]}): {exc}") from exc
         logger.info("started %s (pid %d), log %s", self.name, self.proc.pid, self.log_path)
 
     def alive(self) -> bool:

@@ -38,12 +38,15 @@ from typing import Any
 
 import httpx
 
+from kvshare_connector.toolkit import checks
 from kvshare_connector.toolkit.launcher import (
     LAYOUTS,
     SIDE_CHANNEL_STRIDE,
     ServeConfig,
+    check_server,
     colocated_deployment,
     pd_deployment,
+    plan_pd,
 )
 from kvshare_connector.toolkit.lmeval import EvalError, EvalSpec, agreement, run_lm_eval
 from kvshare_connector.toolkit.procs import LaunchError, free_port_run, pick_free_port
@@ -57,6 +60,18 @@ PROBE_PROMPTS = (
     "Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nAnswer:",
     "1, 2, 3, 4, 5, 6,",
 )
+
+
+_RANGES: dict[str, checks.Range] = {  # of SweepEntry's numbers
+    "block_size": (1, None, False, True),
+    "max_model_len": (1, None, False, True),
+    "gpu_memory_utilization": (0, 1, True, False),
+    "expected_score": (None, None, False, False),
+    "tolerance": (0, None, False, False),
+    "baseline_tolerance": (0, None, False, False),
+    "min_agreement": (0, 1, False, False),
+    "ready_timeout": (0, None, True, False),
+}
 
 
 @dataclass
@@ -93,8 +108,13 @@ class SweepEntry:
             )
         if self.layout not in LAYOUTS:
             raise ValueError(f"config {self.name!r}: layout must be one of {LAYOUTS}")
-        self.prefill_gpus = [str(g) for g in self.prefill_gpus]
-        self.decode_gpus = [str(g) for g in self.decode_gpus]
+        where = f"config {self.name!r}:"
+        for key in ("prefill_gpus", "decode_gpus"):
+            gpus = getattr(self, key)
+            if not isinstance(gpus, list) or not gpus:
+                raise ValueError(f"{where} {key} must be a list of GPU ids like [0], got {gpus!r}")
+            setattr(self, key, [str(g) for g in gpus])
+        checks.check_fields(self, f"{where} ", _RANGES)
 
     def server_env(self) -> dict[str, str]:
         env = {k: str(v) for k, v in self.env.items()}
@@ -147,31 +167,54 @@ def load_sweep(path: Path) -> list[SweepEntry]:
     """Parse a sweep file; relative paths become relative to the file's directory."""
     text = path.read_text()
     if path.suffix == ".json":
-        raw = json.loads(text)
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON: {exc}") from None
     else:
         import yaml
 
-        raw = yaml.safe_load(text)
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("configs"), list):
         raise ValueError(f"{path}: expected a mapping with a `configs` list")
     defaults = raw.get("defaults") or {}
+    if not isinstance(defaults, dict):
+        raise ValueError(f"{path}: `defaults` must be a mapping")
     entries = []
     for i, item in enumerate(raw["configs"]):
+        if not isinstance(item, dict):
+            raise ValueError(f"{path}: configs[{i}] must be a mapping, got {item!r}")
         data = _merge(defaults, item)
         where = f"{path} config {data.get('name', i)!r}"
-        eval_data = dict(data.pop("eval", {}) or {})
-        inc = eval_data.get("include_path")
-        if inc and not Path(inc).is_absolute():
-            eval_data["include_path"] = str((path.parent / inc).resolve())
-        tiny = data.get("tiny_model_config")
-        if tiny and not Path(tiny).is_absolute():
-            data["tiny_model_config"] = str((path.parent / tiny).resolve())
-        data["eval"] = _strict(EvalSpec, eval_data, where + " eval")
-        entries.append(_strict(SweepEntry, data, where))
+        try:
+            entries.append(_entry(path, data, where))
+        except TypeError as exc:  # a value of the wrong kind
+            raise ValueError(f"{where}: {exc}") from None
     names = [e.name for e in entries]
     if len(set(names)) != len(names):
         raise ValueError(f"{path}: configuration names must be unique: {names}")
     return entries
+
+
+def _entry(path: Path, data: dict[str, Any], where: str) -> SweepEntry:
+    """One configuration; its paths resolved against the sweep file and required to exist."""
+    eval_data = dict(data.pop("eval", {}) or {})
+    inc = eval_data.get("include_path")
+    if inc:
+        inc = path.parent / inc  # an absolute one stays as it is
+        checks.require_dir(inc, f"{where}: eval include_path")
+        eval_data["include_path"] = str(inc.resolve())
+    tiny = data.get("tiny_model_config")
+    if tiny:
+        tiny = checks.require_file(path.parent / tiny, f"{where}: tiny_model_config")
+        data["tiny_model_config"] = str(tiny.resolve())
+    if isinstance(data.get("model"), str):
+        data["model"] = checks.check_model(data["model"], f"{where}: model")
+    data["eval"] = _strict(EvalSpec, eval_data, where + " eval")
+    return _strict(SweepEntry, data, where)
 
 
 def prepare_model(entry: SweepEntry, models_dir: Path) -> tuple[str, str, list[str]]:
@@ -378,13 +421,37 @@ def run_sweep(
     return results
 
 
+def _check(args: argparse.Namespace) -> None:
+    """Read the sweep file and check what its configurations need before any server
+    starts; keeps the entries for ``_run``."""
+    checks.require_file(args.config, "sweep file")
+    try:
+        entries = load_sweep(args.config)
+    except ImportError as exc:
+        raise checks.UsageError(
+            f"reading {args.config} needs {exc.name}: pip install 'kvshare-connector[eval]'"
+        ) from None
+    except OSError as exc:
+        raise checks.UsageError(f"cannot read {args.config}: {exc}") from None
+    missing = set(args.only) - {e.name for e in entries}
+    if missing:
+        known = [e.name for e in entries]
+        raise checks.UsageError(f"--only: no configuration named {sorted(missing)}; {known}")
+    entries = [e for e in entries if not args.only or e.name in args.only]
+    if not entries:
+        raise checks.UsageError(f"{args.config}: the `configs` list is empty")
+    if args.output_dir is not None:
+        checks.check_writable_dir(args.output_dir, "--output-dir")
+    checks.require_module(["lm_eval"], "pip install 'kvshare-connector[eval]'")
+    cfgs = [ServeConfig(model=e.model or "tiny", prefill_gpus=e.prefill_gpus,
+                        decode_gpus=e.decode_gpus, server_cmd=args.server_cmd)
+            for e in entries]  # fmt: skip
+    check_server(cfgs[0], [engine for cfg in cfgs for engine in plan_pd(cfg)])
+    args.entries = entries
+
+
 def _run(args: argparse.Namespace) -> int:
-    entries = load_sweep(args.config)
-    if args.only:
-        missing = set(args.only) - {e.name for e in entries}
-        if missing:
-            raise SystemExit(f"--only: no configuration named {sorted(missing)}")
-        entries = [e for e in entries if e.name in args.only]
+    entries = args.entries  # read and checked by _check (cli.main runs it first)
     for e in entries:
         if args.limit is not None:
             e.eval.limit = args.limit
@@ -432,8 +499,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--server-cmd", default=None, help="server command template (see `kvshare serve-pd --help`)"
     )
-    p.add_argument("--limit", type=float, default=None, help="lm-eval --limit for every config")
+    p.add_argument("--limit", type=checks.positive_float, default=None,
+                   help="lm-eval --limit for every config (< 1: a fraction)")  # fmt: skip
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--no-probe", action="store_true", help="skip the greedy probe prompts")
-    p.add_argument("--ready-timeout", type=float, default=None)
-    p.set_defaults(func=_run)
+    p.add_argument("--ready-timeout", type=checks.positive_float, default=None)
+    p.set_defaults(func=_run, check=_check)

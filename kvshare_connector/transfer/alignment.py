@@ -27,10 +27,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from kvshare_connector.layout.topology import GroupSpec
-from kvshare_connector.transfer.protocol import KVTransferParamsError
-
-BlockIds = Sequence[Sequence[int]]
+from kvshare_connector.layout.topology import BlockIds, GroupSpec
+from kvshare_connector.transfer.kv_params import KVTransferParamsError
 
 
 class BlockIdsMismatch(KVTransferParamsError):

@@ -25,7 +25,8 @@ from kvshare_connector.layout.sharding import is_sliced
 from kvshare_connector.layout.topology import KVTopology
 from kvshare_connector.transfer import protocol
 from kvshare_connector.transfer.nixl import NixlTransport
-from kvshare_connector.transfer.side_channel import SideChannelError, ask
+from kvshare_connector.transfer.settings import EngineSettings
+from kvshare_connector.transfer.side_channel import SideChannelError, SideChannelRefused, ask
 
 logger = get_logger(__name__)
 
@@ -54,6 +55,7 @@ class Peer:
     owners: list[PairedOwner]
     plan: TransferPlan  # the owners' address math, prepared once for every read
     sliced: bool = False  # TP: reads cover part of each block (packed transfer off)
+    probe: protocol.ProbeRef | None = None  # prefill's lane probe (``transfer.probe``)
 
 
 @dataclass
@@ -72,21 +74,18 @@ class Peers:
 
     def __init__(
         self,
-        engine_id: str,
         topology: KVTopology,
         transport: NixlTransport,
-        timeout_s: float,
-        identity: EngineIdentity | None = None,
-        secret: bytes | None = None,
+        settings: EngineSettings,
         retry_s: float = RETRY_S,
         pairing: Pairing | None = None,
     ):
-        self.engine_id = engine_id
+        self.settings = settings
+        self.engine_id = settings.engine_id
         self.topology = topology
         self.transport = transport
-        self.timeout_s = timeout_s
-        self.identity = identity
-        self.secret = secret
+        self.timeout_s = settings.handshake_timeout_s
+        self.identity = settings.identity
         self.retry_s = retry_s
         self.pairing = pairing
         self._links: dict[Key, _Link] = {}
@@ -105,10 +104,23 @@ class Peers:
         """Run a side-channel ask on ``key``'s own thread."""
         return self._link(key).executor.submit(fn, *args)
 
-    def ask(self, key: Key, message: Any) -> protocol.SideMessage:
-        """One request/reply with ``key`` (on the caller's thread), decoded."""
-        raw = ask(key[0], key[1], protocol.encode(message), self.timeout_s, self.secret)
-        return protocol.decode(raw)
+    def ask(self, key: Key, engine_id: str, message: Any) -> protocol.SideMessage:
+        """One request/reply with prefill ``engine_id`` at ``key`` (on the caller's thread),
+        decoded. A prefill that answers "busy" is asked again (with backoff, within the
+        timeout): it is alive, and a refusal for rate is no reason to drop it."""
+        deadline = time.monotonic() + self.timeout_s
+        payload, pause = protocol.encode(message), 0.005
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                raw = ask(key[0], key[1], payload, left, self.settings.secret, engine_id)
+            except SideChannelRefused as exc:
+                if not exc.busy or time.monotonic() + pause >= deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(pause * 2, 0.2)
+                continue
+            return protocol.decode(raw)
 
     def known(self, key: Key, engine_id: str) -> Peer | None:
         """The handshaken peer at ``key`` if it is ``engine_id`` (no side effects)."""
@@ -120,6 +132,11 @@ class Peers:
     def get(self, host: str, port: int, expect: str) -> Peer | None:
         """The peer if its handshake finished (raises why not), else None (in flight)."""
         key = (host, port)
+        if not self.settings.allows(host, port):
+            raise HandshakeError(
+                f"prefill {expect} at {host}:{port} is not in this decode's allowed_prefills "
+                f"({sorted(self.settings.allowed_prefills or ())[:5]})"
+            )
         link = self._link(key)
         if link.peer is not None and link.peer.engine_id == expect:
             return link.peer
@@ -171,6 +188,7 @@ class Peers:
         agent = self.transport.add_peer(reply.agent_metadata)
         peer = Peer(reply.engine_id, agent, remote, owners, TransferPlan(owners))
         peer.sliced = is_sliced(self.topology, owners)
+        peer.probe = reply.probe
         logger.info(
             "handshake with %s at %s:%d: %d owners, %d sharers, layout %s -> %s",
             peer.engine_id,
@@ -186,7 +204,7 @@ class Peers:
     def _fetch(self, host: str, port: int, expect: str) -> protocol.HandshakeReply:
         hello = protocol.Hello(protocol.PROTOCOL_VERSION, self.engine_id, expect)
         try:
-            reply = self.ask((host, port), hello)
+            reply = self.ask((host, port), expect, hello)
         except SideChannelError as exc:
             raise HandshakeError(str(exc)) from exc
         except protocol.ProtocolError as exc:

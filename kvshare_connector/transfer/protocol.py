@@ -8,11 +8,8 @@ vLLM's NixlConnector field names so existing PD proxies work unchanged.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from typing import Any
 
 import msgspec
-import numpy as np
 
 from kvshare_connector.layout.matching import EngineIdentity
 from kvshare_connector.layout.sharding import GroupHeads, Shard
@@ -29,7 +26,8 @@ from kvshare_connector.layout.topology import (
 # 2: claims name their reader and block ids, the layout carries the engine identity,
 # notifications carry the reader's claim token. 3: claims may ask for KV digests.
 # 4: layouts carry the TP shard, claims how many decode ranks read (tensor parallelism).
-PROTOCOL_VERSION = 4
+# 5: handshake replies name a lane probe, releases carry the reader's claim token.
+PROTOCOL_VERSION = 5
 NOTIF_PREFIX = b"kvshare:v2:"
 NOTIF_DONE = b"done:"  # decode read the blocks: free them
 NOTIF_ABORT = b"abort:"  # decode gave up on the request: free them too
@@ -37,17 +35,14 @@ CLAIM_TOKEN_LEN = 32  # hex chars of a reader's claim token
 
 # Bounds on one side-channel request, so a peer's message costs bounded work.
 MAX_IDS_PER_MESSAGE = 256  # request ids in one claim or release
-MAX_BLOCK_IDS_PER_MESSAGE = 1 << 20  # block ids named by one claim, all groups
+MAX_BLOCK_IDS_PER_MESSAGE = 1 << 17  # block ids named by one claim, all groups
 MAX_ID_CHARS = 512  # one request or engine id
 MAX_TP = 64  # TP size / readers one message may state (tensor parallelism)
+MAX_REASON_CHARS = 200  # why a decode gave up on a request (``Release.reason``)
 
 
 class ProtocolError(ValueError):
     """A message that does not decode into what the protocol promises."""
-
-
-class KVTransferParamsError(ValueError):
-    """Malformed ``kv_transfer_params`` of a request."""
 
 
 # ---- layout description -------------------------------------------------------------------
@@ -263,12 +258,26 @@ class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
     expect_engine_id: str | None = None  # the engine the asker believes it reaches
 
 
+class ProbeRef(msgspec.Struct, forbid_unknown_fields=True):
+    """Prefill's lane probe (``transfer.probe``): READ ``nbytes`` at ``addr``, expect the
+    pattern of ``seed``. ``ucx``: prefill's UCX lane settings; ``kv_ipc_capable``: whether
+    cuda_ipc can export its KV memory (False: VMM, e.g. kvcached; None: unknown)."""
+
+    addr: int
+    nbytes: int
+    device_id: int  # -1: host memory
+    seed: int
+    ucx: dict[str, str] = {}
+    kv_ipc_capable: bool | None = None
+
+
 class HandshakeReply(msgspec.Struct, tag="handshake", forbid_unknown_fields=True):
     protocol_version: int
     engine_id: str
     agent_name: str
     agent_metadata: bytes
     layout: LayoutMsg
+    probe: ProbeRef | None = None
 
 
 class ErrorReply(msgspec.Struct, tag="error", forbid_unknown_fields=True):
@@ -324,18 +333,23 @@ class ClaimReply(msgspec.Struct, tag="claimed", forbid_unknown_fields=True):
     # held requests' KV digests, for a claim that asked (``Claim.verify``); a held request
     # missing here was not digested (prefill runs without verify_kv)
     digests: dict[str, KVDigests] = {}
+    # how long each held request had waited on prefill when this claim came (timeline)
+    held_s: dict[str, float] = {}
     # any other id asked for: not held yet (the prefill scheduler has not handed it over)
 
 
 class Release(msgspec.Struct, tag="release", forbid_unknown_fields=True):
-    """Decode gives up on requests before it could add prefill as a NIXL peer (their
-    layouts differ), so a NIXL notification cannot reach prefill: free their blocks now
-    instead of at the end of the lease. Answered with a ``ClaimReply`` (all ``gone``)."""
+    """Decode gives up on requests before any READ of theirs reached prefill (layouts or
+    block counts differ, a claim could not be checked): no NIXL notification can be relied
+    on then (there may be no wired-up UCX connection yet), so free their blocks now instead
+    of at the end of the lease. Answered with a ``ClaimReply``: freed ids ``gone``, ids
+    another reader claimed ``refused`` with why, ids never held in neither."""
 
     protocol_version: int
     engine_id: str
     request_ids: list[str]
     reason: str
+    token: str = ""  # the reader's claim token: a claimed request is freed only by its reader
 
 
 SideMessage = Hello | HandshakeReply | ErrorReply | Claim | ClaimReply | Release
@@ -382,112 +396,3 @@ def parse_notification(message: bytes) -> tuple[bytes, str, str]:
             except UnicodeDecodeError as exc:
                 raise ProtocolError(f"notification with a non-UTF-8 request id: {exc}") from exc
     raise ProtocolError(f"unknown kvshare notification: {message[:40]!r}")
-
-
-# ---- kv_transfer_params -------------------------------------------------------------------
-
-
-class RemotePrefillParams(msgspec.Struct, kw_only=True):
-    """What a decode request must carry to read its KV from a prefill engine."""
-
-    do_remote_prefill: bool
-    remote_block_ids: list[list[int]]
-    remote_engine_id: str
-    remote_request_id: str
-    remote_host: str
-    remote_port: int
-    do_remote_decode: bool = False
-    tp_size: int = 1
-    remote_num_tokens: int | None = None
-    # The prompt prefill computed (absent from proxies and prefills of elsewhere).
-    remote_prompt_tokens: int | None = None
-    remote_prompt_digest: str | None = None
-
-
-def prompt_digest(token_ids: Sequence[int]) -> str:
-    """SHA-256 of the prompt's token ids (int64 little-endian): what decode checks its own
-    prompt against, so KV computed for another prompt is never loaded."""
-    h = hashlib.sha256(b"kvshare-prompt-v1\0")
-    h.update(np.asarray(token_ids, dtype="<i8").tobytes())
-    return h.hexdigest()
-
-
-def prompt_mismatch(params: RemotePrefillParams, token_ids: Sequence[int] | None) -> str | None:
-    """Why decode's prompt is not the one prefill computed, or None (also when prefill
-    did not say: a proxy or prefill from elsewhere)."""
-    if params.remote_prompt_digest is None:
-        return None
-    ids = list(token_ids or ())
-    if params.remote_prompt_tokens is not None and params.remote_prompt_tokens != len(ids):
-        return (
-            f"the prompt is not the one prefill computed: prefill had "
-            f"{params.remote_prompt_tokens} prompt tokens, this request has {len(ids)}"
-        )
-    if prompt_digest(ids) != params.remote_prompt_digest:
-        return (
-            f"the prompt is not the one prefill computed: digest of the prompt's "
-            f"{len(ids)} token ids differs from prefill's"
-        )
-    return None
-
-
-def kv_transfer_params(
-    *,
-    remote_block_ids: Sequence[Sequence[int]],
-    remote_engine_id: str,
-    remote_request_id: str,
-    remote_host: str,
-    remote_port: int,
-    remote_num_tokens: int | None,
-    tp_size: int = 1,
-    prompt_token_ids: Sequence[int] | None = None,
-) -> dict[str, Any]:
-    """The ``kv_transfer_params`` prefill returns for decode (the one place they are built)."""
-    prompt = list(prompt_token_ids) if prompt_token_ids is not None else None
-    return msgspec.to_builtins(
-        RemotePrefillParams(
-            do_remote_prefill=True,
-            do_remote_decode=False,
-            remote_block_ids=[list(ids) for ids in remote_block_ids],
-            remote_engine_id=remote_engine_id,
-            remote_request_id=remote_request_id,
-            remote_host=remote_host,
-            remote_port=remote_port,
-            tp_size=tp_size,
-            remote_num_tokens=remote_num_tokens,
-            remote_prompt_tokens=len(prompt) if prompt is not None else None,
-            remote_prompt_digest=prompt_digest(prompt) if prompt is not None else None,
-        )
-    )
-
-
-def remote_prefill_params(params: Any) -> RemotePrefillParams:
-    """Validate a decode request's kv_transfer_params (vLLM NixlConnector names)."""
-    if not isinstance(params, dict):
-        raise KVTransferParamsError(
-            f"kv_transfer_params must be an object, got {type(params).__name__}"
-        )
-    try:
-        parsed = msgspec.convert(
-            {k: v for k, v in params.items() if k in RemotePrefillParams.__struct_fields__},
-            RemotePrefillParams,
-            strict=True,
-        )
-    except msgspec.ValidationError as exc:
-        raise KVTransferParamsError(f"kv_transfer_params: {exc}") from exc
-    if not 0 < parsed.remote_port < 65536:
-        raise KVTransferParamsError(
-            f"kv_transfer_params: remote_port {parsed.remote_port} out of range"
-        )
-    if not 1 <= parsed.tp_size <= MAX_TP or parsed.remote_port + parsed.tp_size > 65536:
-        raise KVTransferParamsError(
-            f"kv_transfer_params: tp_size {parsed.tp_size} out of range [1, {MAX_TP}] (prefill "
-            f"rank r serves on remote_port + r)"
-        )
-    for group, ids in enumerate(parsed.remote_block_ids):
-        if any(b < 0 for b in ids):
-            raise KVTransferParamsError(
-                f"kv_transfer_params: negative block id {min(ids)} - at "
-                f"`$.remote_block_ids[{group}]`"
-            )
-    return parsed

@@ -19,8 +19,7 @@ pairing is refused when it is on. Both are logged.
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
-from typing import Any
+from dataclasses import replace
 
 import msgspec
 
@@ -37,14 +36,20 @@ from kvshare_connector.layout.sharding import (
     sources,
 )
 from kvshare_connector.layout.topology import KVTopology
-from kvshare_connector.transfer import protocol
+from kvshare_connector.transfer import kv_params, protocol
+from kvshare_connector.transfer.digests import Digester
+from kvshare_connector.transfer.nixl import NixlTransport
+from kvshare_connector.transfer.packing import Packer
 from kvshare_connector.transfer.peers import Key
+from kvshare_connector.transfer.probe import ProbeBuffer
+from kvshare_connector.transfer.records import SinkProgress
+from kvshare_connector.transfer.settings import EngineSettings
 from kvshare_connector.transfer.side_channel import SideChannelError
-from kvshare_connector.transfer.sink import KVSink, TransferRecord
+from kvshare_connector.transfer.sink import SPIN_S, KVSink
 
 logger = get_logger(__name__)
 
-PART = "@tp"  # sub-read ids: <request id>@tp<prefill rank>
+PART = "@tp"  # sub-read ids (opaque keys, mapped back in ``_part_of``): <request>@tp<rank>
 
 
 def whole_shard(topology: KVTopology) -> Shard:
@@ -63,39 +68,26 @@ class ShardedSink:
     """``KVSink``'s interface for one decode TP rank (``shard``); TP 1 on both sides goes
     straight through to the sink, unchanged."""
 
-    def __init__(self, shard: Shard | None, topology: KVTopology, **sink_args: Any):
+    def __init__(
+        self,
+        shard: Shard | None,
+        topology: KVTopology,
+        transport: NixlTransport,
+        settings: EngineSettings,
+        packer: Packer | None = None,
+        digester: Digester | None = None,
+        probe: ProbeBuffer | None = None,
+    ):
         self.shard = shard if shard is not None else whole_shard(topology)
         self.topology = topology
-        self.sink = KVSink(topology=topology, pairing=self._pair, **sink_args)
+        self.sink = KVSink(
+            topology, transport, settings, packer, digester, pairing=self._pair, probe=probe
+        )
         self._expected: dict[Key, tuple[int, int]] = {}  # port -> (prefill rank, prefill TP)
         self._parts: dict[str, set[str]] = {}  # request -> sub-reads not finished
         self._part_of: dict[str, str] = {}  # sub-read -> request
         self._reasons: dict[str, list[str]] = {}  # request -> why sub-reads failed
         self._warned_unpacked = False
-
-    # -- the KVSink interface NixlWorker uses ----------------------------------------------
-
-    @property
-    def records(self) -> list[TransferRecord]:
-        return self.sink.records
-
-    @records.setter
-    def records(self, value: list[TransferRecord]) -> None:
-        self.sink.records = value
-
-    @property
-    def counters(self) -> Counter[str]:
-        return self.sink.counters
-
-    @property
-    def peers(self) -> Any:
-        return self.sink.peers
-
-    def __getattr__(self, name: str) -> Any:
-        """Everything else (packer, digester, transport, ...) is the sink's."""
-        if name == "sink":  # not set yet: no recursion during __init__
-            raise AttributeError(name)
-        return getattr(self.sink, name)
 
     @property
     def in_flight(self) -> set[str]:
@@ -110,7 +102,7 @@ class ShardedSink:
     def request(
         self,
         request_id: str,
-        params: protocol.RemotePrefillParams,
+        params: kv_params.RemotePrefillParams,
         local_ids: BlockIds,
         num_tokens: int | None = None,
         num_local_tokens: int = 0,
@@ -144,10 +136,23 @@ class ShardedSink:
         self._parts[request_id] = set(parts)
         for rank in release_duty(totals, self.shard.tp_size, self.shard.tp_rank, params.tp_size):
             key = (params.remote_host, params.remote_port + rank)
-            self.sink.peers.submit(key, self._release, key, params.remote_request_id, rank)
+            self.sink.peers.submit(key, self._release, key, params, rank)
 
-    def poll(self, spin_s: float = 0.002) -> tuple[set[str], dict[str, str]]:
+    def poll(self, spin_s: float = SPIN_S) -> tuple[set[str], dict[str, str]]:
         done, failed = self.sink.poll(spin_s)
+        return self._merge(done, failed)
+
+    def take_progress(self, spin_s: float = SPIN_S) -> SinkProgress:
+        """The sink's progress, sub-reads merged into their requests."""
+        progress = self.sink.take_progress(spin_s)
+        done, failed = self._merge(progress.done, progress.failed)
+        return replace(progress, done=done, failed=failed)
+
+    def _merge(
+        self, done: set[str], failed: dict[str, str]
+    ) -> tuple[set[str], dict[str, str]]:
+        """A request is done once every sub-read is, failed (with every reason) once all
+        ended and one failed."""
         out_done = {r for r in done if r not in self._part_of}
         out_failed = {r: why for r, why in failed.items() if r not in self._part_of}
         for part in [*done, *failed]:
@@ -179,7 +184,7 @@ class ShardedSink:
     ) -> list[PairedOwner]:
         """Owners to read from the prefill rank at ``key``: whole blocks under TP 1 on both
         sides, else the heads this decode rank takes from that rank."""
-        identity = self.sink.peers.identity
+        identity = self.sink.settings.identity
         try:
             stated = protocol.shard_from_msg(layout)
         except protocol.ProtocolError as exc:
@@ -222,9 +227,10 @@ class ShardedSink:
                 )
         return owners
 
-    def _release(self, key: Key, remote_request_id: str, rank: int) -> None:
+    def _release(self, key: Key, params: kv_params.RemotePrefillParams, rank: int) -> None:
         """Tell a prefill rank no decode rank reads to free the request (best effort: its
         lease frees it anyway)."""
+        remote_request_id = params.remote_request_id
         release = protocol.Release(
             protocol.PROTOCOL_VERSION,
             self.sink.engine_id,
@@ -232,7 +238,7 @@ class ShardedSink:
             f"TP: decode reads these heads from another prefill rank than {rank}",
         )
         try:
-            self.sink.peers.ask(key, release)
+            self.sink.peers.ask(key, params.remote_engine_id, release)
         except (SideChannelError, protocol.ProtocolError) as exc:
             logger.warning(
                 "could not tell prefill rank %d to free request %s: %s",

@@ -1,61 +1,101 @@
-"""The ZMQ side channel: prefill answers handshakes, decode asks with a bounded wait.
+"""The side channel: prefill answers handshakes, claims and releases; decode asks with a
+bounded wait. One framed request, one framed reply, over TCP.
 
-One request, one reply. The server never dies on a bad message (it answers an error and
-keeps serving); the client never waits forever (a fresh socket per ask, closed with no
-linger, so a dead peer costs exactly the timeout).
+It is the door to prefill's KV (a handshake hands out the NIXL metadata that lets a peer
+READ the registered memory), so everything a peer sends is bounded before it is buffered
+and authenticated before it is acted on (docs/security.md has the threat model):
 
-With a shared secret every message is authenticated (HMAC-SHA256, see docs/security.md):
-a request carries ``auth = nonce(16) | time_ms(8) | mac(32)`` over its payload, fresh
-within ``MAX_SKEW_S`` and never seen before (no replays); the reply carries a MAC over the
-request's nonce and its own payload, so it answers this request and no other. Messages
-are size-bounded and each peer address gets a bounded message rate, so a peer can only
-cost bounded work. Refusals are answered with an error and counted (``refused``).
+* framing: a 12-byte header states the body's length; a body over ``max_request_bytes``
+  is refused without being read, a connection that stalls mid-request is closed, and the
+  number of connections (in all, per address) is capped, so one client holds at most
+  ``per_address_connections x max_request_bytes`` of the server's memory;
+* with a shared secret every request carries ``nonce | time | HMAC-SHA256`` over its
+  payload *and its destination* (the engine id and address it is meant for): a request
+  relayed to another engine, replayed, stale or signed with another secret is refused,
+  and the reply carries a MAC over the request's nonce, so it answers this request only;
+* authenticated requests and refused ones draw on separate per-address budgets, so a
+  flood of garbage from a decode's own address cannot starve that decode; a refusal for
+  rate says ``busy``, which clients retry instead of taking the peer for dead;
+* every refusal is answered with its reason, counted, and logged within a line budget.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
-import os
+import ipaddress
 import secrets
+import socket
 import struct
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
-import zmq
+import msgspec
 
 from kvshare_connector.common.log import get_logger
 
 logger = get_logger(__name__)
 
 SECRET_ENV = "KVSHARE_SIDE_CHANNEL_SECRET"
-MAX_REQUEST_BYTES = 4 << 20  # a claim naming ~500k block ids fits
-MAX_REPLY_BYTES = 256 << 20  # a handshake reply carries a layout and NIXL metadata
+INSECURE_ENV = "KVSHARE_SIDE_CHANNEL_INSECURE"
+MAX_REQUEST_BYTES = 1 << 20  # a claim naming ~100k block ids fits
+MAX_REPLY_BYTES = 64 << 20  # a handshake reply carries a layout and NIXL metadata
 MAX_SKEW_S = 120.0  # clocks of the two hosts may differ this much
-PEER_RATE = 200.0  # messages per second one peer address may send, sustained
-PEER_BURST = 400.0
-_MAX_PEERS = 4096  # peer addresses with a rate bucket (oldest forgotten first)
+MAX_REFUSAL_CHARS = 300  # refusal texts sent and logged
+_MAGIC = b"KVSC"
+_VERSION = 1
+_HEADER = struct.Struct(">4sBBHI")  # magic, version, kind, reserved, body length
+_REQUEST, _REPLY = 1, 2
+_NONCE, _STAMP, _MAC = 16, 8, 32
+_AUTH = _NONCE + _STAMP + _MAC
+_REQUEST_DOMAIN = b"kvshare-side-channel-request-v2\0"
+_REPLY_DOMAIN = b"kvshare-side-channel-reply-v2\0"
 _MAX_NONCES = 1 << 18  # remembered nonces (a replay window; oldest forgotten first)
-_NONCE = 16
-_MAC = 32
-_AUTH = _NONCE + 8 + _MAC
-_REQUEST_DOMAIN = b"kvshare-side-channel-request\0"
-_REPLY_DOMAIN = b"kvshare-side-channel-reply\0"
+BUSY = ("busy", "overloaded")  # refusals a client retries: the peer is alive
 
 
 class SideChannelError(ConnectionError):
     """The peer could not be reached, did not answer in time, or answered unauthenticated."""
 
 
-def resolve_secret(extra_config: Mapping[str, Any] | None = None) -> bytes | None:
-    """``side_channel_secret`` of kv_connector_extra_config, else the environment."""
-    value = (extra_config or {}).get("side_channel_secret") or os.environ.get(SECRET_ENV)
-    if value is None or value == "":
-        return None
-    return value.encode() if isinstance(value, str) else bytes(value)
+class SideChannelRefused(SideChannelError):
+    """The peer answered, refusing the request (``code`` says why)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def busy(self) -> bool:
+        return self.code in BUSY
+
+
+class _Request(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    destination: str  # "<engine id>@<host>:<port>" the sender means
+    auth: bytes  # nonce | stamp | mac, or empty without a secret
+    payload: bytes
+
+
+class _Reply(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    code: str  # "ok", or why the request was refused
+    mac: bytes  # over the request's nonce and the payload (empty without a secret)
+    payload: bytes  # the answer, or the refusal's text
+
+
+_request_decoder = msgspec.msgpack.Decoder(_Request)
+_reply_decoder = msgspec.msgpack.Decoder(_Reply)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def destination(engine_id: str, host: str, port: int) -> str:
+    """What a signed request is addressed to (and what a server answers to)."""
+    return f"{engine_id}@{host}:{port}"
 
 
 _warned_no_secret = False
@@ -67,11 +107,33 @@ def warn_if_no_secret(secret: bytes | None) -> None:
     if secret is None and not _warned_no_secret:
         _warned_no_secret = True
         logger.warning(
-            "KV side channel without a shared secret: any host that reaches it can handshake "
-            "(and get the NIXL metadata that lets it READ the registered KV memory), claim "
-            "or release requests. Set kv_connector_extra_config side_channel_secret or %s, "
-            "and keep the side channel on a private network (docs/security.md)",
+            "KV side channel without a shared secret: any process that reaches it can "
+            "handshake (and get the NIXL metadata that lets it READ the registered KV "
+            "memory), claim or release requests. Set kv_connector_extra_config "
+            "side_channel_secret or %s on every engine (docs/security.md)",
             SECRET_ENV,
+        )
+
+
+def is_loopback(host: str) -> bool:
+    """Every address ``host`` stands for is a loopback address."""
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    addresses = {info[4][0] for info in infos}
+    return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
+
+
+def check_exposure(host: str, secret: bytes | None, insecure: bool) -> None:
+    """Refuse to serve KV beyond loopback without a secret, unless the operator opted in."""
+    if secret is None and not insecure and not is_loopback(host):
+        raise SideChannelError(
+            f"the KV side channel would listen on {host} without side_channel_secret: any "
+            "host that reaches it could READ this engine's KV memory. Set "
+            f"side_channel_secret (or {SECRET_ENV}) to the same value on every engine, or "
+            f"side_channel_insecure: true (or {INSECURE_ENV}=1) to accept that risk on a "
+            "private network"
         )
 
 
@@ -82,16 +144,94 @@ def _mac(secret: bytes, *parts: bytes) -> bytes:
     return h.digest()
 
 
-def zmq_address(host: str, port: int) -> str:
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+def _frame(kind: int, body: bytes) -> bytes:
+    return _HEADER.pack(_MAGIC, _VERSION, kind, 0, len(body)) + body
+
+
+HEADER_BYTES = _HEADER.size
+
+
+def encode_request(payload: bytes, where: str, secret: bytes | None = None) -> tuple[bytes, bytes]:
+    """A framed request to ``where`` (``destination``), signed with ``secret``; with the
+    nonce its reply's MAC covers (empty without a secret)."""
+    nonce, auth = b"", b""
+    if secret is not None:
+        nonce = secrets.token_bytes(_NONCE)
+        stamp = struct.pack(">Q", int(time.time() * 1000))
+        auth = nonce + stamp + _mac(
+            secret, _REQUEST_DOMAIN, nonce, stamp, where.encode() + b"\0", payload
+        )
+    return _frame(_REQUEST, _encoder.encode(_Request(where, auth, payload))), nonce
+
+
+def encode_reply(code: str, payload: bytes, mac: bytes = b"") -> bytes:
+    """A framed reply: ``ok`` with the answer, or a refusal's code with its text."""
+    return _frame(_REPLY, _encoder.encode(_Reply(code, mac, payload)))
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one server spends on its peers, at most."""
+
+    max_request_bytes: int = MAX_REQUEST_BYTES
+    connections: int = 128  # open at once, all addresses
+    per_address_connections: int = 8  # x max_request_bytes: what one client can make us hold
+    request_s: float = 5.0  # a started request must arrive whole within this
+    idle_s: float = 30.0  # a connection with no request for this long is closed
+    rate: float = 2000.0  # accepted requests per second and address, sustained
+    burst: float = 4000.0
+    refused_rate: float = 100.0  # refused ones per second and address (they cost replies)
+    refused_burst: float = 200.0
+    log_lines: int = 20  # refusal log lines per ``log_window_s``; the rest are summed up
+    log_window_s: float = 10.0
+
+
+class _Buckets:
+    """Token buckets per address, oldest forgotten first."""
+
+    def __init__(self, rate: float, burst: float, size: int = 4096):
+        self.rate, self.burst, self.size = rate, burst, size
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+
+    def take(self, address: str) -> bool:
+        now = time.monotonic()
+        tokens, last = self._buckets.pop(address, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - last) * self.rate)
+        allowed = tokens >= 1.0
+        self._buckets[address] = (tokens - 1.0 if allowed else tokens, now)
+        while len(self._buckets) > self.size:
+            self._buckets.popitem(last=False)
+        return allowed
+
+
+class LogBudget:
+    """At most ``lines`` refusal lines per window; the rest are counted and summed up."""
+
+    def __init__(self, lines: int, window_s: float):
+        self.lines, self.window_s = lines, window_s
+        self._start, self._used, self._suppressed = time.monotonic(), 0, 0
+
+    def log(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._start > self.window_s:
+            if self._suppressed:
+                logger.warning(
+                    "side channel: %d more refusal(s) not logged in the last %.0f s",
+                    self._suppressed,
+                    now - self._start,
+                )
+            self._start, self._used, self._suppressed = now, 0, 0
+        if self._used < self.lines:
+            self._used += 1
+            logger.warning("side channel: %s", message[:MAX_REFUSAL_CHARS])
+        else:
+            self._suppressed += 1
 
 
 class SideChannelServer:
-    """Answers each request with ``handler(payload)`` on a background thread.
-
-    ``error(message)`` builds the payload of a refusal (an unauthenticated, oversize or
-    rate-limited request); refusals are counted by reason in ``refused``.
-    """
+    """Answers each request with ``handler(payload)`` (on a helper thread), from an event
+    loop of its own; refusals are answered, counted by reason (``refused``) and logged
+    within a budget."""
 
     def __init__(
         self,
@@ -99,44 +239,55 @@ class SideChannelServer:
         port: int,
         handler: Callable[[bytes], bytes],
         secret: bytes | None = None,
-        error: Callable[[str], bytes] | None = None,
-        max_request_bytes: int = MAX_REQUEST_BYTES,
-        peer_rate: float = PEER_RATE,
-        peer_burst: float = PEER_BURST,
+        engine_id: str = "",
+        limits: Limits | None = None,
     ):
         self._handler = handler
         self._secret = secret
-        self._error = error or (lambda message: message.encode())
-        self._max_request_bytes = max_request_bytes
-        self._rate, self._burst = peer_rate, peer_burst
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self.limits = limits or Limits()
+        self._accepted = _Buckets(self.limits.rate, self.limits.burst)
+        self._refusals = _Buckets(self.limits.refused_rate, self.limits.refused_burst)
+        self._log = LogBudget(self.limits.log_lines, self.limits.log_window_s)
         self._nonces: OrderedDict[bytes, float] = OrderedDict()
+        self._connections: Counter[str] = Counter()
         self._refused_lock = threading.Lock()
         self._refused: Counter[str] = Counter()
-        self._context = zmq.Context.instance()
-        self._socket = self._context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        # Far above any legal request: zmq drops the connection of a peer that sends more,
-        # before buffering it; between the two bounds a request is refused and counted.
-        self._socket.setsockopt(zmq.MAXMSGSIZE, 4 * max_request_bytes)
-        if ":" in host:
-            self._socket.setsockopt(zmq.IPV6, 1)
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvshare-side-channel")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            if port == 0:
-                host_part = f"[{host}]" if ":" in host else host
-                self.port = self._socket.bind_to_random_port(f"tcp://{host_part}")
-            else:
-                self._socket.bind(zmq_address(host, port))
-                self.port = port
-        except zmq.ZMQError as exc:
-            self._socket.close()
+            sock.bind((host, port))
+            sock.listen(256)
+        except OSError as exc:
+            sock.close()
             raise SideChannelError(f"cannot listen on {host}:{port}: {exc}") from exc
-        self.host = host
-        self._stop = threading.Event()
+        self.host, self.port = host, sock.getsockname()[1]
+        self.destination = destination(engine_id, host, self.port)
+        self._loop = asyncio.new_event_loop()
+        started = threading.Event()
         self._thread = threading.Thread(
-            target=self._serve, name="kvshare-side-channel", daemon=True
+            target=self._run, args=(sock, started), name="kvshare-side-channel", daemon=True
         )
         self._thread.start()
+        started.wait()
+
+    def _run(self, sock: socket.socket, started: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(
+            asyncio.start_server(self._serve, sock=sock, limit=1 << 16)
+        )
+        started.set()
+        self._loop.run_forever()
+        self._loop.close()
+
+    async def _shutdown(self) -> None:
+        """Stop listening, end every connection, then the loop."""
+        self._server.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     @property
     def refused(self) -> dict[str, int]:
@@ -149,112 +300,156 @@ class SideChannelServer:
             out, self._refused = dict(self._refused), Counter()
             return out
 
-    def _refuse(self, reason: str, message: str, frames: list[bytes]) -> list[bytes]:
-        """Count and answer a refusal in the asker's format: the protocol's error payload to
-        a plain request; ``[b"", text]`` to an authenticated one (a reply without a MAC,
-        which that client reports and never takes for an answer)."""
+    def _refuse(self, address: str, code: str, message: str) -> bytes | None:
+        """Count and log a refusal; its reply, or None once the address has spent its
+        refusal budget (the connection is then closed without one)."""
         with self._refused_lock:
-            self._refused[reason] += 1
-        logger.warning("side channel: refused a message (%s): %s", reason, message)
-        if len(frames) == 1:
-            return [self._error(message)]
-        return [b"", message.encode()]
+            self._refused[code] += 1
+        self._log.log(f"refused a request from {address} ({code}): {message}")
+        if not self._refusals.take(address):
+            return None
+        return encode_reply(code, message[:MAX_REFUSAL_CHARS].encode())
 
-    def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(100):
-                continue
-            frames = self._socket.recv_multipart(copy=False)
-            if len(frames) not in (3, 4) or frames[1].bytes != b"":
-                with self._refused_lock:
-                    self._refused["malformed"] += 1
-                logger.warning("side channel: dropped a message of %d frame(s)", len(frames))
-                continue
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        address = str(peer[0]) if peer else "?"
+        limits = self.limits
+        full = sum(self._connections.values()) >= limits.connections
+        self._connections[address] += 1
+        try:
+            if full or self._connections[address] > limits.per_address_connections:
+                reply = self._refuse(address, "overloaded", f"too many connections from {address}")
+            else:
+                reply = await self._requests(address, reader, writer)
+            if reply is not None:  # a last refusal, after which the stream is not trusted
+                writer.write(reply)
+                await asyncio.wait_for(writer.drain(), limits.request_s)
+        except (ConnectionError, TimeoutError, asyncio.CancelledError):
+            pass  # the peer went away, stalled, or the server is closing
+        finally:
+            self._connections[address] -= 1
+            if not self._connections[address]:
+                del self._connections[address]
+            writer.close()
+
+    async def _requests(
+        self, address: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bytes | None:
+        """Answer requests on one connection until it ends; a refusal that ends it."""
+        limits = self.limits
+        while True:
             try:
-                peer = frames[0].get("Peer-Address")
-            except zmq.ZMQError:
-                peer = None
-            identity = frames[0].bytes
-            try:
-                reply = self._answer(str(peer or identity.hex()), [f.bytes for f in frames[2:]])
-            except Exception:  # never let one bad request stop the listener
-                logger.exception("side channel: handler failed")
-                continue
-            self._socket.send_multipart([identity, b"", *reply])
-        self._socket.close()
-
-    def _answer(self, peer: str, frames: list[bytes]) -> list[bytes]:
-        """``[payload]`` without a secret, ``[mac, payload]`` with one."""
-
-        def refuse(reason: str, message: str) -> list[bytes]:
-            return self._refuse(reason, message, frames)
-
-        if not self._take_token(peer):
-            return refuse("rate_limited", f"peer {peer} sends too fast")
-        size = sum(len(f) for f in frames)
-        if size > self._max_request_bytes:
-            return refuse(
-                "oversize", f"message of {size} B from {peer} exceeds {self._max_request_bytes} B"
-            )
-        payload = frames[-1]
-        if self._secret is None:
-            if len(frames) != 1:
-                return refuse(
-                    "unauthenticated",
-                    f"{peer} sent an authenticated message, but this side channel has no "
-                    "side_channel_secret",
+                header = await asyncio.wait_for(reader.readexactly(_HEADER.size), limits.idle_s)
+            except (asyncio.IncompleteReadError, TimeoutError):
+                return None  # the peer is done (or idle)
+            magic, version, kind, _, length = _HEADER.unpack(header)
+            if (magic, version, kind) != (_MAGIC, _VERSION, _REQUEST):
+                return self._refuse(
+                    address, "malformed", f"not a kvshare side-channel request: {header!r}"
                 )
-            return [self._handler(payload)]
-        if len(frames) != 2 or len(frames[0]) != _AUTH:
-            return refuse(
-                "unauthenticated",
-                f"message from {peer} is not authenticated (this side channel requires the "
-                "shared side_channel_secret)",
+            if length > limits.max_request_bytes:  # refused unread
+                return self._refuse(
+                    address, "oversize", f"request of {length} B exceeds "
+                    f"{limits.max_request_bytes} B"
+                )  # fmt: skip
+            try:
+                body = await asyncio.wait_for(reader.readexactly(length), limits.request_s)
+            except (asyncio.IncompleteReadError, TimeoutError):
+                self._refuse(address, "incomplete", "request not sent whole in time")
+                return None
+            reply = await self._answer(address, body)
+            if reply is None:  # this address spent its refusal budget
+                return None
+            writer.write(reply)
+            await asyncio.wait_for(writer.drain(), limits.request_s)
+
+    async def _answer(self, address: str, body: bytes) -> bytes | None:
+        try:
+            request = _request_decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return self._refuse(address, "malformed", f"undecodable request: {exc}")
+        if request.destination != self.destination:
+            return self._refuse(
+                address,
+                "misaddressed",
+                f"request addressed to {request.destination[:200]!r}, this is "
+                f"{self.destination!r} (a relayed request, or kv_transfer_params naming "
+                "another host or port than this prefill advertises)",
             )
-        auth = frames[0]
-        nonce, stamp, mac = auth[:_NONCE], auth[_NONCE : _NONCE + 8], auth[_NONCE + 8 :]
-        expected = _mac(self._secret, _REQUEST_DOMAIN, nonce, stamp, payload)
+        nonce = b""
+        if self._secret is None:
+            if request.auth:
+                return self._refuse(
+                    address, "unauthenticated", "signed request, but this side channel has "
+                    "no side_channel_secret"
+                )  # fmt: skip
+        else:
+            why = self._authenticate(request)
+            if why is not None:
+                return self._refuse(address, *why)
+            nonce = request.auth[:_NONCE]
+        if not self._accepted.take(address):
+            return self._refuse(address, "busy", f"{address} sends faster than allowed: retry")
+        try:
+            payload = await self._loop.run_in_executor(self._pool, self._handler, request.payload)
+        except Exception as exc:  # never let one request stop the listener
+            logger.exception("side channel: handler failed")
+            return self._refuse(address, "failed", f"the request failed: {exc}")
+        mac = _mac(self._secret, _REPLY_DOMAIN, nonce, payload) if self._secret else b""
+        return encode_reply("ok", payload, mac)
+
+    def _authenticate(self, request: _Request) -> tuple[str, str] | None:
+        """Why an authenticated request is refused (code, text), or None."""
+        assert self._secret is not None
+        auth = request.auth
+        if len(auth) != _AUTH:
+            return "unauthenticated", (
+                "request is not authenticated (this side channel requires the shared "
+                "side_channel_secret)"
+            )
+        nonce, stamp, mac = auth[:_NONCE], auth[_NONCE : _NONCE + _STAMP], auth[-_MAC:]
+        expected = _mac(
+            self._secret, _REQUEST_DOMAIN, nonce, stamp, request.destination.encode() + b"\0",
+            request.payload,
+        )  # fmt: skip
         if not hmac.compare_digest(mac, expected):
-            return refuse(
-                "unauthenticated", f"message from {peer} has a wrong MAC (another secret?)"
-            )
-        sent = struct.unpack(">Q", stamp)[0] / 1000
+            return "unauthenticated", "request has a wrong MAC (another side_channel_secret?)"
         now = time.time()
+        sent = struct.unpack(">Q", stamp)[0] / 1000
         if abs(now - sent) > MAX_SKEW_S:
-            return refuse(
-                "stale", f"message from {peer} is {now - sent:+.0f} s old (replay or clock skew)"
-            )
-        if not self._fresh(nonce, now):
-            return refuse("replayed", f"message from {peer} was replayed")
-        reply = self._handler(payload)
-        return [_mac(self._secret, _REPLY_DOMAIN, nonce, reply), reply]
-
-    def _take_token(self, peer: str) -> bool:
-        """Token bucket per peer address: bounded work per peer, cheap refusals beyond."""
-        now = time.monotonic()
-        tokens, last = self._buckets.pop(peer, (self._burst, now))
-        tokens = min(self._burst, tokens + (now - last) * self._rate)
-        allowed = tokens >= 1.0
-        self._buckets[peer] = (tokens - 1.0 if allowed else tokens, now)
-        while len(self._buckets) > _MAX_PEERS:
-            self._buckets.popitem(last=False)
-        return allowed
-
-    def _fresh(self, nonce: bytes, now: float) -> bool:
+            return "stale", f"request is {now - sent:+.0f} s old (replay or clock skew)"
         while self._nonces and next(iter(self._nonces.values())) < now:
             self._nonces.popitem(last=False)
         if nonce in self._nonces:
-            return False
+            return "replayed", "request was replayed"
         self._nonces[nonce] = now + 2 * MAX_SKEW_S
         while len(self._nonces) > _MAX_NONCES:
             self._nonces.popitem(last=False)
-        return True
+        return None
 
     def close(self) -> None:
-        self._stop.set()
+        if self._thread.is_alive():
+            done = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
+            with contextlib.suppress(Exception):
+                done.result(timeout=5)
+            self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        sock.settimeout(left)
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            raise ConnectionError("connection closed mid-reply")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
 
 
 def ask(
@@ -263,49 +458,48 @@ def ask(
     payload: bytes,
     timeout_s: float,
     secret: bytes | None = None,
+    engine_id: str = "",
     max_reply_bytes: int = MAX_REPLY_BYTES,
 ) -> bytes:
-    """Send one request and wait at most ``timeout_s`` for the reply (authenticated both
-    ways with ``secret``)."""
-    context = zmq.Context.instance()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, max_reply_bytes)
-    if ":" in host:
-        sock.setsockopt(zmq.IPV6, 1)
-    nonce = secrets.token_bytes(_NONCE)
+    """Send one request to engine ``engine_id`` at ``host:port`` and wait at most
+    ``timeout_s`` for its reply (authenticated both ways with ``secret``).
+    ``SideChannelRefused`` if it refused, ``SideChannelError`` if it did not answer."""
+    request, nonce = encode_request(payload, destination(engine_id, host, port), secret)
+    deadline = time.monotonic() + timeout_s
     try:
-        sock.connect(zmq_address(host, port))
-        if secret is None:
-            sock.send_multipart([b"", payload])
-        else:
-            stamp = struct.pack(">Q", int(time.time() * 1000))
-            auth = nonce + stamp + _mac(secret, _REQUEST_DOMAIN, nonce, stamp, payload)
-            sock.send_multipart([b"", auth, payload])
-        if not sock.poll(int(timeout_s * 1000)):
-            raise SideChannelError(
-                f"no answer from the prefill side channel at {host}:{port} within {timeout_s:g} s"
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.sendall(request)
+            magic, version, kind, _, length = _HEADER.unpack(
+                _recv_exact(sock, _HEADER.size, deadline)
             )
-        frames = sock.recv_multipart()
-    finally:
-        sock.close()
-    if secret is not None and len(frames) == 2 and frames[0] == b"":
+            if (magic, version, kind) != (_MAGIC, _VERSION, _REPLY) or length > max_reply_bytes:
+                raise SideChannelError(
+                    f"peer at {host}:{port} answered something else than a kvshare side-channel "
+                    f"reply ({length} B)"
+                )
+            body = _recv_exact(sock, length, deadline)
+    except TimeoutError as exc:
         raise SideChannelError(
-            f"reply from {host}:{port} is not authenticated (is side_channel_secret set on "
-            "prefill?)"
-        )
-    if len(frames) != (2 if secret is None else 3) or frames[0] != b"":
-        raise SideChannelError(f"peer at {host}:{port} answered {len(frames)} malformed frame(s)")
-    if secret is None:
-        return frames[1]
-    if frames[1] == b"":
-        # A refusal (it cannot be bound to an unauthenticated request): report its text,
-        # trust nothing in it.
-        text = frames[2][:500].decode(errors="replace")
-        raise SideChannelError(f"peer at {host}:{port} refused the message: {text}")
-    if not hmac.compare_digest(frames[1], _mac(secret, _REPLY_DOMAIN, nonce, frames[2])):
+            f"no answer from the prefill side channel at {host}:{port} within {timeout_s:.3g} s"
+        ) from exc
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise SideChannelError(
+            f"no answer from the prefill side channel at {host}:{port}: {why}"
+        ) from exc
+    try:
+        reply = _reply_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise SideChannelError(f"peer at {host}:{port} answered a malformed reply: {exc}") from exc
+    if reply.code != "ok":
+        text = reply.payload[:MAX_REFUSAL_CHARS].decode(errors="replace")
+        message = f"peer at {host}:{port} refused ({reply.code}): {text}"
+        raise SideChannelRefused(reply.code, message)
+    if secret is not None and not hmac.compare_digest(
+        reply.mac, _mac(secret, _REPLY_DOMAIN, nonce, reply.payload)
+    ):
         raise SideChannelError(
             f"reply from {host}:{port} is not authenticated (is side_channel_secret the same "
             "on prefill?)"
         )
-    return frames[2]
+    return reply.payload

@@ -1,30 +1,39 @@
 """Decode side of the pull transfer: handshake with prefill, claim a request, READ its blocks.
 
 No vLLM here: the connector's worker drives ``KVSink``. All NIXL calls happen on the caller's
-thread (NIXL agents are not thread-safe by default); only the side-channel ask runs in a
-helper thread so a slow or dead prefill never blocks the engine loop.
+thread (NIXL agents are not thread-safe by default); only the side-channel asks run on each
+prefill's own helper thread (``transfer.peers``) so a slow or dead prefill never blocks the
+engine loop.
+
+A read goes through explicit phases (``transfer.reads``): PEER, CLAIM, READ, then done
+or failed.
 """
 
-import secrets
+from __future__ import annotations
+
 import time
 from collections import Counter
-from concurrent.futures import CancelledError, Future
-from dataclasses import dataclass, field
+from concurrent.futures import CancelledError
+from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
 from kvshare_connector.common.log import get_logger
-from kvshare_connector.layout.descriptors import BlockIds, transfer_descriptors
-from kvshare_connector.layout.matching import EngineIdentity, LayoutMismatch
-from kvshare_connector.layout.staging import PackedRead, packed_read_of
-from kvshare_connector.layout.topology import KVTopology
+from kvshare_connector.layout.descriptors import transfer_descriptors
+from kvshare_connector.layout.staging import packed_read_of
+from kvshare_connector.layout.topology import BlockIds, KVTopology
 from kvshare_connector.layout.verification import VerificationError, compare
-from kvshare_connector.transfer import protocol
+from kvshare_connector.transfer import kv_params, protocol
 from kvshare_connector.transfer.alignment import align_block_ids
 from kvshare_connector.transfer.digests import Digester
 from kvshare_connector.transfer.nixl import NixlTransport, TransportError
 from kvshare_connector.transfer.packing import Packer
 from kvshare_connector.transfer.peers import HandshakeError, Pairing, Peer, Peers
+from kvshare_connector.transfer.probe import Lanes, ProbeBuffer, ProbeError
+from kvshare_connector.transfer.reads import Grant, Phase, Plan, Read, ReadOrder, Transfer
+from kvshare_connector.transfer.records import LaneReport, SinkProgress, TransferRecord
+from kvshare_connector.transfer.settings import EngineSettings
 from kvshare_connector.transfer.side_channel import SideChannelError, warn_if_no_secret
 
 logger = get_logger(__name__)
@@ -44,136 +53,216 @@ class ClaimRefused(HandshakeError):
     """Prefill refused this decode's claim (another reader, or blocks it does not hold)."""
 
 
-@dataclass(frozen=True)
-class TransferRecord:
-    """One finished read, for stats."""
-
-    request_id: str
-    bytes: int
-    descriptors: int
-    blocks: int
-    seconds: float  # posted -> bytes in place (the scatter included when packed)
-    packed: bool = False  # moved as a few large runs through the staging areas
-    verified: int = 0  # layer-blocks whose digest matched prefill's (``verify_kv``)
-
-
-@dataclass
-class _Read:
-    request_id: str
-    params: protocol.RemotePrefillParams
-    local_ids: BlockIds
-    num_tokens: int | None = None  # decode's prompt length (None: a tool, counts unknown)
-    num_local_tokens: int = 0  # of which decode had cached locally
-    token: str = field(default_factory=lambda: secrets.token_hex(16))  # claim token
-    rows: tuple[np.ndarray, np.ndarray] | None = None  # (local, remote) READ descriptors
-    remote_ids: list[list[int]] | None = None  # the remote blocks it will read
-    created: float = field(default_factory=time.monotonic)
-    handle: object | None = None
-    started: float = 0.0
-    nbytes: int = 0
-    descriptors: int = 0
-    blocks: int = 0
-    claim: Future[protocol.ClaimReply] | None = None
-    claimed: bool = False
-    next_claim: float = 0.0
-    packed_ref: protocol.PackedRef | None = None  # where prefill packed it, if it did
-    slot: int | None = None  # our staging slot, while a packed read uses it
-    plan: PackedRead | None = None  # packed: what to READ and then copy out of the slot
-    local_read: list[list[int]] | None = None  # local blocks paired with ``remote_ids``
-    digests: protocol.KVDigests | None = None  # prefill's, when verifying
-    verified: int = 0
-    readers: int = 1  # TP: decode ranks that read this request from this prefill rank
-
-
 class KVSink:
     """Decode side: handshakes with prefill engines and reads requests' blocks from them.
 
-    With ``verify`` (``verify_kv``), a request counts as loaded only once decode's digests
+    With ``digester`` (``verify_kv``), a request counts as loaded only once decode's digests
     of its blocks, taken after the READ, equal the ones prefill took when it held them.
     """
 
     def __init__(
         self,
-        engine_id: str,
         topology: KVTopology,
         transport: NixlTransport,
-        handshake_timeout_s: float = 10.0,
-        transfer_timeout_s: float = 60.0,
-        identity: EngineIdentity | None = None,
-        secret: bytes | None = None,
+        settings: EngineSettings,
         packer: Packer | None = None,
         digester: Digester | None = None,
         pairing: Pairing | None = None,
+        probe: ProbeBuffer | None = None,
     ):
-        self.engine_id = engine_id
+        self.settings = settings
+        self.engine_id = settings.engine_id
         self.topology = topology
         self.transport = transport
         self.packer = packer  # set: read packed requests into a staging slot, then scatter
         self.digester = digester  # set: verify every read against prefill's digests
-        self._stuck: list[tuple[object, int]] = []  # (handle, slot) of READs we gave up on
-        self.handshake_timeout_s = handshake_timeout_s
-        self.transfer_timeout_s = transfer_timeout_s
-        warn_if_no_secret(secret)
+        self.probe = probe  # set: measure each new prefill's lane before its first read
+        warn_if_no_secret(settings.secret)
         transport.register(topology.regions)
-        if packer is not None:
-            transport.register([packer.staging.region])
-        self.peers = Peers(
-            engine_id, topology, transport, handshake_timeout_s, identity, secret, pairing=pairing
-        )
-        self._reads: dict[str, _Read] = {}
+        for extra in (packer.staging.region if packer else None, probe.region if probe else None):
+            if extra is not None:
+                transport.register([extra])
+        self.peers = Peers(topology, transport, settings, pairing=pairing)
+        self._reads: dict[str, Read] = {}
         self._done: set[str] = set()  # finished since the last poll
         self._failed: dict[str, str] = {}
-        self._draining: dict[str, tuple[object, str]] = {}  # failed, NIXL not yet let go
-        self.records: list[TransferRecord] = []
+        self._draining: dict[str, tuple[Any, str]] = {}  # failed, NIXL not yet let go
+        self._stuck: list[tuple[Any, int]] = []  # (handle, slot) of READs we gave up on
+        self.lanes = Lanes(transport, probe)
+        self.records: list[TransferRecord] = []  # finished since the last take_progress
+        self._created: dict[str, float] = {}  # their reads' start, for the timeline
         self.counters = Counter[str]()  # verify_failures, for stats
 
-    # -- claims --------------------------------------------------------------------------
+    # -- the engine's calls ----------------------------------------------------------------
 
-    def _ask_claim(self, read: _Read) -> protocol.ClaimReply:
-        p = read.params
-        host, port, request_id = p.remote_host, p.remote_port, p.remote_request_id
-        claim = protocol.Claim(
-            protocol.PROTOCOL_VERSION,
-            self.engine_id,
-            [request_id],
-            self.transfer_timeout_s + 5,
-            token=read.token,
-            block_ids={request_id: read.remote_ids or []},
-            packed=self.packer is not None,
-            verify=self.digester is not None,
-            readers=read.readers,
+    def request(
+        self,
+        request_id: str,
+        params: kv_params.RemotePrefillParams,
+        local_ids: BlockIds,
+        num_tokens: int | None = None,
+        num_local_tokens: int = 0,
+        token: str | None = None,
+        readers: int = 1,
+    ) -> None:
+        """Queue a read of ``params.remote_block_ids`` into ``local_ids`` (per group).
+
+        ``num_tokens`` (decode's prompt length) and ``num_local_tokens`` (cached locally)
+        let the sink check the exact block counts (``alignment``); without them, the
+        counts must be equal. TP (``transfer.shards``): the decode ranks reading one
+        prefill rank share ``token`` and say how many ``readers`` they are.
+        """
+        if request_id in self._reads:
+            raise ValueError(f"request {request_id} is already being read")
+        order = ReadOrder(
+            request_id, params, [list(ids) for ids in local_ids], num_tokens, num_local_tokens
         )
-        try:
-            reply = self.peers.ask((host, port), claim)
-        except SideChannelError as exc:
-            raise PeerDown(f"claiming {request_id} at {host}:{port}: {exc}") from exc
-        except protocol.ProtocolError as exc:
-            raise ClaimRefused(
-                f"prefill at {host}:{port} answered a claim with garbage: {exc}"
-            ) from exc
-        if isinstance(reply, protocol.ErrorReply):
-            raise ClaimRefused(f"prefill at {host}:{port} refused the claim: {reply.message}")
-        if not isinstance(reply, protocol.ClaimReply):
-            raise ClaimRefused(f"prefill at {host}:{port} answered a claim with {reply}")
-        return reply
+        if token is not None:
+            order = replace(order, token=token)
+        self._reads[request_id] = Read(replace(order, readers=readers))
 
-    def _claimed(self, read: _Read) -> bool:
-        """True once prefill confirmed it holds the blocks (and extended their lease).
+    @property
+    def in_flight(self) -> set[str]:
+        return set(self._reads) | set(self._draining)
+
+    def poll(self, spin_s: float = SPIN_S) -> tuple[set[str], dict[str, str]]:
+        """Advance every read: ``(done, {failed request id: reason})``, including what an
+        ``advance`` since the last poll finished.
+
+        The engine calls this once per step, so a READ that needs one more look to be seen
+        done costs a whole step: a READ posted here is watched for up to ``spin_s``.
+        """
+        self.transport.progress()  # e.g. the notification of a read abandoned last step
+        self.advance(spin_s)
+        self._retry_stuck()
+        done, failed = self._done, self._failed
+        self._done, self._failed = set(), {}
+        return done, failed
+
+    def take_progress(self, spin_s: float = SPIN_S) -> SinkProgress:
+        """``poll``, with what finished reads and lane probes recorded since the last call."""
+        done, failed = self.poll(spin_s)
+        now = time.monotonic()
+        records = [_reported(r, self._created.pop(r.request_id, None), now) for r in self.records]
+        counters = dict(self.counters)
+        self.records, self.counters = [], Counter()
+        return SinkProgress(done, failed, records, self.take_lanes(), counters)
+
+    def take_lanes(self) -> list[LaneReport]:
+        """Lanes measured since the last call."""
+        return self.lanes.take()
+
+    def advance(self, spin_s: float = 0.0) -> None:
+        """Move every read as far as it goes now (handshake, claim, READ, scatter); called
+        when requests arrive too, so their claims are under way before the step ends."""
+        now = time.monotonic()
+        deadline = now + spin_s
+        for read in list(self._reads.values()):
+            try:
+                if read.phase is not Phase.READ:
+                    bound = self.settings.handshake_timeout_s + self.settings.transfer_timeout_s
+                    if now - read.created > bound:
+                        raise HandshakeError("timed out waiting for the prefill handshake")
+                    if self._start(read):
+                        self._done.add(read.request_id)
+                    if read.phase is not Phase.READ:
+                        continue
+                self._watch(read, deadline, now)  # a READ posted just now is watched too
+            except Exception as exc:  # every failure ends this request only
+                self._fail(read, exc)
+        for request_id in self._done | set(self._failed):
+            self._reads.pop(request_id, None)
+
+    def _watch(self, read: Read, deadline: float, now: float) -> None:
+        """A posted READ: finish it once NIXL says done (watching it until ``deadline``)."""
+        transfer = read.transfer
+        assert transfer is not None
+        state = self.transport.state(transfer.handle)
+        while state == "PROC" and time.monotonic() < deadline:
+            state = self.transport.state(transfer.handle)
+        p = read.order.params
+        if state == "DONE":
+            self._landed(read)
+            read.mark("landed")
+            self._verify(read)
+            if self.digester is not None:
+                read.mark("verified")
+            self._finish(read)
+            self._done.add(read.request_id)
+        elif state == "ERR":
+            raise ReadFailed(f"NIXL READ from {p.remote_engine_id} failed")
+        elif now - transfer.started > self.settings.transfer_timeout_s:
+            raise TransportError(
+                f"NIXL READ from {p.remote_engine_id} did not finish in "
+                f"{self.settings.transfer_timeout_s:g} s"
+            )
+
+    def _fail(self, read: Read, exc: Exception) -> None:
+        reason = f"{type(exc).__name__}: {exc}"
+        self._note_failure(read, exc)
+        if self._abandon(read, exc):
+            self._failed[read.request_id] = reason
+        else:  # NIXL may still write into the request's blocks: not vLLM's yet
+            assert read.transfer is not None
+            self._draining[read.request_id] = (read.transfer.handle, reason)
+            self._reads.pop(read.request_id, None)
+
+    # -- phases ------------------------------------------------------------------------------
+
+    def _start(self, read: Read) -> bool:
+        """Take the read through PEER and CLAIM up to its READ; True if nothing had to move."""
+        p = read.order.params
+        if not any(read.order.local_ids):  # e.g. a full local prefix-cache hit: free prefill
+            reason = "decode holds the whole prompt already (nothing to read)"
+            self.peers.submit((p.remote_host, p.remote_port), self._ask_release, read, reason)
+            self.records.append(TransferRecord(read.request_id, 0, 0, 0, 0.0))
+            return True
+        peer = self.peers.get(p.remote_host, p.remote_port, p.remote_engine_id)
+        if peer is None or not self.lanes.ready(peer, p.remote_host, p.remote_port):
+            return False
+        if read.plan is None:
+            read.plan = self._plan(read.order, peer)
+            read.phase = Phase.CLAIM
+        if read.grant is None:
+            grant = self._claimed(read)
+            if grant is None:
+                return False
+            read.grant = grant
+            read.mark("claimed")
+        self._post(read, peer)
+        return False
+
+    def _plan(self, order: ReadOrder, peer: Peer) -> Plan:
+        p = order.params
+        local_ids, remote_ids = align_block_ids(
+            order.local_ids,
+            p.remote_block_ids,
+            self.topology.groups,
+            order.num_tokens,
+            order.num_local_tokens,
+            p.remote_num_tokens,
+        )
+        rows = transfer_descriptors(
+            peer.plan, local_ids, remote_ids, self.topology.num_blocks, peer.topology.num_blocks
+        )
+        return Plan(local_ids, remote_ids, rows, sum(len(ids) for ids in local_ids))
+
+    def _claimed(self, read: Read) -> Grant | None:
+        """Prefill's grant once it confirmed it holds the blocks for this reader (and
+        extended their lease); None while the answer is not in.
 
         Prefill's scheduler hands a finished request to its worker one step after it
         returned the request's kv_transfer_params, so "not held yet" is retried until the
         handshake bound; "gone" (read or lease expired) fails the request before any read.
         """
-        if read.claimed:
-            return True
-        p = read.params
+        p = read.order.params
         if read.claim is None:
             if time.monotonic() >= read.next_claim:
                 key = (p.remote_host, p.remote_port)
-                read.claim = self.peers.submit(key, self._ask_claim, read)
-            return False
+                read.claim = self.peers.submit(key, self._ask_claim, read.order)
+            return None
         if not read.claim.done():
-            return False
+            return None
         future, read.claim = read.claim, None
         try:
             reply = future.result()
@@ -194,233 +283,149 @@ class KVSink:
                     f"prefill {p.remote_engine_id} sent no KV digests for request {rid}: "
                     "verify_kv must be on for prefill too"
                 )
-            read.claimed = True
-            read.packed_ref = reply.packed.get(rid)
-            read.digests = reply.digests.get(rid)
-            return True
+            return Grant(reply.packed.get(rid), reply.digests.get(rid), reply.held_s.get(rid))
         if rid in reply.gone:
             raise TransportError(
                 f"prefill {p.remote_engine_id} no longer holds request {rid}'s blocks (read "
                 "already, or its lease expired)"
             )
-        if time.monotonic() - read.created > self.handshake_timeout_s:
+        if time.monotonic() - read.created > self.settings.handshake_timeout_s:
             raise HandshakeError(
                 f"prefill {p.remote_engine_id} never held request {rid} within "
-                f"{self.handshake_timeout_s:g} s"
+                f"{self.settings.handshake_timeout_s:g} s"
             )
         read.next_claim = time.monotonic() + 0.01
-        return False
+        return None
 
-    # -- reads ---------------------------------------------------------------------------
-
-    def request(
-        self,
-        request_id: str,
-        params: protocol.RemotePrefillParams,
-        local_ids: BlockIds,
-        num_tokens: int | None = None,
-        num_local_tokens: int = 0,
-        token: str | None = None,
-        readers: int = 1,
-    ) -> None:
-        """Queue a read of ``params.remote_block_ids`` into ``local_ids`` (per group).
-
-        ``num_tokens`` (decode's prompt length) and ``num_local_tokens`` (cached locally)
-        let the sink check the exact block counts (``alignment``); without them, the
-        counts must be equal. TP (``transfer.shards``): the decode ranks reading one
-        prefill rank share ``token`` and say how many ``readers`` they are.
-        """
-        if request_id in self._reads:
-            raise ValueError(f"request {request_id} is already being read")
-        read = _Read(
-            request_id, params, [list(ids) for ids in local_ids], num_tokens, num_local_tokens
+    def _ask_claim(self, order: ReadOrder) -> protocol.ClaimReply:
+        p = order.params
+        host, port, request_id = p.remote_host, p.remote_port, p.remote_request_id
+        claim = protocol.Claim(
+            protocol.PROTOCOL_VERSION,
+            self.engine_id,
+            [request_id],
+            self.settings.transfer_timeout_s + 5,
+            token=order.token,
+            block_ids={request_id: [list(ids) for ids in p.remote_block_ids]},  # all it holds
+            packed=self.packer is not None,
+            verify=self.digester is not None,
+            readers=order.readers,
         )
-        read.token, read.readers = token or read.token, readers
-        self._reads[request_id] = read
+        try:
+            reply = self.peers.ask((host, port), p.remote_engine_id, claim)
+        except SideChannelError as exc:
+            raise PeerDown(f"claiming {request_id} at {host}:{port}: {exc}") from exc
+        except protocol.ProtocolError as exc:
+            raise ClaimRefused(
+                f"prefill at {host}:{port} answered a claim with garbage: {exc}"
+            ) from exc
+        if isinstance(reply, protocol.ErrorReply):
+            raise ClaimRefused(f"prefill at {host}:{port} refused the claim: {reply.message}")
+        if not isinstance(reply, protocol.ClaimReply):
+            raise ClaimRefused(f"prefill at {host}:{port} answered a claim with {reply}")
+        return reply
 
-    @property
-    def in_flight(self) -> set[str]:
-        return set(self._reads) | set(self._draining)
-
-    def poll(self, spin_s: float = SPIN_S) -> tuple[set[str], dict[str, str]]:
-        """Advance every read: ``(done, {failed request id: reason})``, including what an
-        ``advance`` since the last poll finished.
-
-        The engine calls this once per step, so a READ that needs one more look to be seen
-        done costs a whole step: a READ posted here is watched for up to ``spin_s``.
-        """
-        self.transport.progress()  # e.g. the notification of a read abandoned last step
-        self.advance(spin_s)
-        self._retry_stuck()
-        done, failed = self._done, self._failed
-        self._done, self._failed = set(), {}
-        return done, failed
-
-    def advance(self, spin_s: float = 0.0) -> None:
-        """Move every read as far as it goes now (handshake, claim, READ, scatter); called
-        when requests arrive too, so their claims are under way before the step ends."""
-        now = time.monotonic()
-        deadline = now + spin_s
-        for read in list(self._reads.values()):
-            try:
-                if read.handle is None:
-                    if now - read.created > self.handshake_timeout_s + self.transfer_timeout_s:
-                        raise HandshakeError("timed out waiting for the prefill handshake")
-                    if self._start(read):
-                        self._done.add(read.request_id)
-                        continue
-                    if read.handle is None:
-                        continue
-                state = self.transport.state(read.handle)
-                while state == "PROC" and time.monotonic() < deadline:
-                    state = self.transport.state(read.handle)
-                if state == "DONE":
-                    self._landed(read)
-                    self._verify(read)
-                    self._finish(read)
-                    self._done.add(read.request_id)
-                elif state == "ERR":
-                    raise ReadFailed(f"NIXL READ from {read.params.remote_engine_id} failed")
-                elif now - read.started > self.transfer_timeout_s:
-                    raise TransportError(
-                        f"NIXL READ from {read.params.remote_engine_id} did not finish in "
-                        f"{self.transfer_timeout_s:g} s"
-                    )
-            except Exception as exc:  # every failure ends this request only
-                reason = f"{type(exc).__name__}: {exc}"
-                self._note_failure(read, exc)
-                if self._abandon(read, exc):
-                    self._failed[read.request_id] = reason
-                else:  # NIXL may still write into the request's blocks: not vLLM's yet
-                    self._draining[read.request_id] = (read.handle, reason)
-                    self._reads.pop(read.request_id, None)
-        for request_id in self._done | set(self._failed):
-            self._reads.pop(request_id, None)
-
-    def _start(self, read: _Read) -> bool:
-        """Start the READ once the peer is known; True if nothing had to move."""
-        p = read.params
-        peer = self.peers.get(p.remote_host, p.remote_port, p.remote_engine_id)
-        if peer is None:
-            return False
-        if read.rows is None:
-            if not any(read.local_ids):  # e.g. a full local prefix-cache hit: free prefill
-                note = protocol.notification(protocol.NOTIF_DONE, p.remote_request_id)
-                self.transport.notify(peer.agent, note)
-                self.records.append(TransferRecord(read.request_id, 0, 0, 0, 0.0))
-                return True
-            local_ids, read.remote_ids = align_block_ids(
-                read.local_ids,
-                p.remote_block_ids,
-                self.topology.groups,
-                read.num_tokens,
-                read.num_local_tokens,
-                p.remote_num_tokens,
+    def _post(self, read: Read, peer: Peer) -> None:
+        """Post the READ: packed (between the two staging slots, then a scatter) when
+        prefill packed the request and there is room here, else block by block."""
+        assert read.plan is not None and read.grant is not None
+        local_rows, remote_rows = read.plan.rows
+        local_kind, remote_kind = self.topology.mem_kind, peer.topology.mem_kind
+        nbytes = int(local_rows[:, 1].sum())
+        slot, packed = None, None
+        ref = read.grant.packed
+        if ref is not None and self.packer is not None and not peer.sliced:
+            packed = packed_read_of(
+                peer.topology, read.order.params.remote_block_ids, ref.nbytes, local_rows,
+                remote_rows,
+            )  # fmt: skip
+            slot = self.packer.staging.allocate(packed.nbytes)
+            if slot is None:  # no room here: read the request's blocks directly
+                packed = None
+            else:
+                staging = self.packer.staging
+                local_rows = packed.rows(
+                    packed.read_local, staging.addr + slot, staging.region.device_id
+                )
+                remote_rows = packed.rows(packed.read_remote, ref.addr, ref.device_id)
+                local_kind = staging.region.mem_kind
+                remote_kind = "DRAM" if ref.device_id < 0 else "VRAM"
+        p = read.order.params
+        note = protocol.notification(protocol.NOTIF_DONE, p.remote_request_id, read.order.token)
+        started = time.monotonic()
+        try:
+            handle = self.transport.read(
+                peer.agent, local_rows, local_kind, remote_rows, remote_kind, note
             )
-            read.blocks = sum(len(ids) for ids in local_ids)
-            read.local_read = local_ids
-            # Before the claim: block ids out of range fail here, not at prefill.
-            read.rows = transfer_descriptors(
-                peer.plan,
-                local_ids,
-                read.remote_ids,
-                self.topology.num_blocks,
-                peer.topology.num_blocks,
-            )
-        if not self._claimed(read):
-            return False
-        local_rows, remote_rows = read.rows
-        local_kind, remote_kind = _kind(self.topology), _kind(peer.topology)
-        read.nbytes = int(local_rows[:, 1].sum())
-        if read.packed_ref is not None and self.packer is not None and not peer.sliced:
-            packed = self._packed_rows(read, peer, local_rows, remote_rows)
-            if packed is not None:
-                local_rows, remote_rows = packed
-                local_kind = self.packer.staging.region.mem_kind
-                remote_kind = "DRAM" if read.packed_ref.device_id < 0 else "VRAM"
-        note = protocol.notification(protocol.NOTIF_DONE, p.remote_request_id, read.token)
-        read.descriptors = len(local_rows)
-        read.started = time.monotonic()
-        read.handle = self.transport.read(
-            peer.agent, local_rows, local_kind, remote_rows, remote_kind, note
-        )
-        return False
+        except Exception:
+            if slot is not None and self.packer is not None:
+                self.packer.staging.release(slot)
+            raise
+        read.transfer = Transfer(handle, started, nbytes, len(local_rows), slot, packed)
+        read.phase = Phase.READ
+        read.mark("posted")
 
-    def _packed_rows(
-        self, read: _Read, peer: Peer, local_rows: np.ndarray, remote_rows: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray] | None:
-        """READ rows between the two staging slots (None: no room here, read directly)."""
-        assert self.packer is not None and read.packed_ref is not None
-        ref = read.packed_ref
-        plan = packed_read_of(
-            peer.topology, read.params.remote_block_ids, ref.nbytes, local_rows, remote_rows
-        )
-        slot = self.packer.staging.allocate(plan.nbytes)
-        if slot is None:
-            return None
-        read.slot, read.plan = slot, plan
-        local = plan.rows(
-            plan.read_local, self.packer.staging.addr + slot, self.packer.staging.region.device_id
-        )
-        return local, plan.rows(plan.read_remote, ref.addr, ref.device_id)
-
-    def _landed(self, read: _Read) -> None:
+    def _landed(self, read: Read) -> None:
         """After the READ: a packed request is scattered into its blocks (a few copy
         kernels, waited for here: reporting it one step later would cost a whole step)."""
-        if read.plan is not None and self.packer is not None and read.slot is not None:
-            self.transport.release(read.handle)
-            read.handle = None
-            s = read.plan.scatter
-            self.packer.scatter(s[:, 0], s[:, 2], read.slot + s[:, 1]).wait()
-            self.packer.staging.release(read.slot)
-            read.slot = None
+        t = read.transfer
+        if t is not None and t.packed is not None and t.slot is not None and self.packer:
+            self.transport.release(t.handle)
+            t.handle = None
+            s = t.packed.scatter
+            self.packer.scatter(s[:, 0], s[:, 2], t.slot + s[:, 1]).wait()
+            self.packer.staging.release(t.slot)
+            t.slot = None
 
-    def _verify(self, read: _Read) -> None:
+    def _verify(self, read: Read) -> None:
         """``verify_kv``: decode's blocks, as vLLM will read them, against prefill's digests."""
         if self.digester is None:
             return
-        assert read.digests is not None and read.local_read is not None
-        local = self.digester.start(self.topology, read.local_read).result()
-        remote = {n: np.frombuffer(v, dtype="<u8") for n, v in read.digests.layers.items()}
+        assert read.plan is not None and read.grant is not None and read.grant.digests
+        plan, digests = read.plan, read.grant.digests
+        local = self.digester.start(self.topology, plan.local_ids).result()
+        remote = {n: np.frombuffer(v, dtype="<u8") for n, v in digests.layers.items()}
         compared, found = compare(
-            self.topology,
-            read.local_read,
-            read.remote_ids or [],
-            local,
-            read.digests.block_ids,
-            remote,
+            self.topology, plan.local_ids, plan.remote_ids, local, digests.block_ids, remote
         )
         if found:
             raise VerificationError(
                 f"request {read.request_id}: its KV differs from what prefill "
-                f"{read.params.remote_engine_id} computed: " + "; ".join(found)
+                f"{read.order.params.remote_engine_id} computed: " + "; ".join(found)
             )
         read.verified = compared
 
-    def _note_failure(self, read: _Read, error: Exception) -> None:
-        """Count verification failures; evict a prefill that stopped answering or whose
-        READ failed (its other requests then fail at once instead of each timing out)."""
-        p = read.params
-        if isinstance(error, VerificationError):
-            self.counters["verify_failures"] += 1
-            logger.error("%s", error)
-        elif isinstance(error, ReadFailed | PeerDown):
-            self.peers.evict(p.remote_host, p.remote_port, error)
-
-    def _finish(self, read: _Read) -> None:
-        if read.handle is not None:
-            self.transport.release(read.handle)
+    def _finish(self, read: Read) -> None:
+        t, plan, grant = read.transfer, read.plan, read.grant
+        assert t is not None and plan is not None and grant is not None
+        if t.handle is not None:
+            self.transport.release(t.handle)
+        self._created[read.request_id] = read.created
         self.records.append(
             TransferRecord(
                 read.request_id,
-                read.nbytes,
-                read.descriptors,
-                read.blocks,
-                time.monotonic() - read.started,
-                read.plan is not None,
+                t.nbytes,
+                t.descriptors,
+                plan.blocks,
+                time.monotonic() - t.started,
+                t.packed is not None,
                 read.verified,
+                grant.held_s,
+                dict(read.marks),
             )
         )
+
+    # -- failures ------------------------------------------------------------------------------
+
+    def _note_failure(self, read: Read, error: Exception) -> None:
+        """Count verification failures; evict a prefill that stopped answering or whose
+        READ failed (its other requests then fail at once instead of each timing out)."""
+        p = read.order.params
+        if isinstance(error, VerificationError):
+            self.counters["verify_failures"] += 1
+            logger.error("%s", error)
+        elif isinstance(error, ReadFailed | PeerDown | ProbeError):
+            self.peers.evict(p.remote_host, p.remote_port, error)
 
     def _retry_stuck(self) -> None:
         """Staging slots, and requests whose READ into their blocks we gave up on, return
@@ -433,48 +438,66 @@ class KVSink:
         for handle, slot in list(self._stuck):
             if self.transport.state(handle) != "PROC" and self.transport.release(handle):
                 self._stuck.remove((handle, slot))
+                assert self.packer is not None
                 self.packer.staging.release(slot)
 
-    def _abandon(self, read: _Read, error: Exception) -> bool:
+    def _abandon(self, read: Read, error: Exception) -> bool:
         """Release what we hold and tell prefill (if reachable) to free its blocks. False: a
         READ into the request's own blocks could not be released (NIXL may still be writing
         them), so they must not go back to vLLM yet."""
         released = True
-        if read.slot is not None and self.packer is not None:
-            if read.handle is not None and self.transport.state(read.handle) == "PROC":
-                self._stuck.append((read.handle, read.slot))  # NIXL may still write into it
-                read.handle = None
+        t = read.transfer
+        if t is not None and t.slot is not None and self.packer is not None:
+            if t.handle is not None and self.transport.state(t.handle) == "PROC":
+                self._stuck.append((t.handle, t.slot))  # NIXL may still write into it
+                t.handle = None
             else:
-                self.packer.staging.release(read.slot)
-        if read.handle is not None:
-            released = self.transport.release(read.handle)
-        p = read.params
-        key = (p.remote_host, p.remote_port)
-        peer = self.peers.known(key, p.remote_engine_id)
+                self.packer.staging.release(t.slot)
+            t.slot = None
+        if t is not None and t.handle is not None:
+            released = self.transport.release(t.handle)
         if isinstance(error, ClaimRefused):
             return released  # prefill decided: the blocks are another reader's (or not ours)
-        if peer is not None:
-            token = read.token if read.rows is not None else ""
-            note = protocol.notification(protocol.NOTIF_ABORT, p.remote_request_id, token)
-            self.transport.notify(peer.agent, note)
-        elif isinstance(error, LayoutMismatch):  # prefill answers, but is no NIXL peer
-            reason = "KV layouts do not match: " + "; ".join(error.differences[:3])
-            self.peers.submit(key, self._ask_release, p, reason)
+        p = read.order.params
+        key = (p.remote_host, p.remote_port)
+        peer = self.peers.known(key, p.remote_engine_id)
+        if t is not None and peer is not None:
+            # A READ reached prefill: UCX is wired up, a notification carries the news.
+            token = read.order.token
+            self.transport.notify(
+                peer.agent, protocol.notification(protocol.NOTIF_ABORT, p.remote_request_id, token)
+            )
+        elif not isinstance(error, HandshakeError):
+            # Failed before any READ (layouts or block counts differ, the lane probe
+            # failed), maybe at first contact, when no UCX connection exists yet to carry a
+            # notification: ask over the side channel, which answers. (A prefill that
+            # cannot be reached is left to its lease.)
+            self.peers.submit(key, self._ask_release, read, f"{type(error).__name__}: {error}")
         return released
 
-    def _ask_release(self, p: protocol.RemotePrefillParams, reason: str) -> None:
+    def _ask_release(self, read: Read, reason: str) -> None:
         """Best effort: prefill's lease frees the blocks anyway if this does not arrive."""
+        p = read.order.params
         release = protocol.Release(
-            protocol.PROTOCOL_VERSION, self.engine_id, [p.remote_request_id], reason
+            protocol.PROTOCOL_VERSION,
+            self.engine_id,
+            [p.remote_request_id],
+            reason[: protocol.MAX_REASON_CHARS],
+            read.order.token,
         )
         try:
-            self.peers.ask((p.remote_host, p.remote_port), release)
+            reply: Any = self.peers.ask((p.remote_host, p.remote_port), p.remote_engine_id, release)
         except (SideChannelError, protocol.ProtocolError) as exc:
+            reply = exc
+        if not isinstance(reply, protocol.ClaimReply) or p.remote_request_id not in reply.gone:
+            why = reply.refused.get(p.remote_request_id, "") if isinstance(
+                reply, protocol.ClaimReply
+            ) else reply  # fmt: skip
             logger.warning(
                 "could not ask prefill %s to free request %s: %s",
                 p.remote_engine_id,
                 p.remote_request_id,
-                exc,
+                why or reply,
             )
 
     def close(self) -> None:
@@ -482,8 +505,8 @@ class KVSink:
         self.transport.close()
 
 
-def _kind(topology: KVTopology) -> str:
-    kinds = {r.mem_kind for r in topology.regions}
-    if len(kinds) != 1:
-        raise TransportError(f"KV regions span memory kinds {sorted(kinds)}")
-    return kinds.pop()
+def _reported(record: TransferRecord, created: float | None, now: float) -> TransferRecord:
+    """The record with the moment the engine learned of it on its timeline."""
+    if created is None:
+        return record
+    return replace(record, timeline={**record.timeline, "reported": round(now - created, 6)})

@@ -5,6 +5,8 @@ the same way across real processes. All NIXL calls happen on the caller's thread
 are not thread-safe by default); the side-channel server answers from its own thread.
 """
 
+from __future__ import annotations
+
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -13,19 +15,28 @@ from dataclasses import dataclass
 
 from kvshare_connector.common.log import get_logger
 from kvshare_connector.layout.descriptors import request_descriptors
-from kvshare_connector.layout.matching import EngineIdentity
 from kvshare_connector.layout.sharding import Shard
 from kvshare_connector.layout.staging import PackedLayout
 from kvshare_connector.layout.topology import KVTopology
 from kvshare_connector.transfer import protocol
 from kvshare_connector.transfer.digests import Digester, PendingDigests
+from kvshare_connector.transfer.lanes import LaneInfo
 from kvshare_connector.transfer.nixl import NixlTransport
 from kvshare_connector.transfer.packing import Copy, Packer
-from kvshare_connector.transfer.side_channel import SideChannelServer, warn_if_no_secret
+from kvshare_connector.transfer.probe import ProbeBuffer
+from kvshare_connector.transfer.settings import EngineSettings
+from kvshare_connector.transfer.side_channel import (
+    LogBudget,
+    SideChannelServer,
+    check_exposure,
+    warn_if_no_secret,
+)
 
 logger = get_logger(__name__)
 
 RELEASED_MEMORY = 100_000  # freed request ids a prefill remembers, to refuse late claims
+EARLY_MEMORY = 4096  # done/abort/releases of requests not held yet (decode was faster)
+MAX_CLAIM_HOLD_S = 90.0  # a claim extends a lease by at most this (or the lease, if longer)
 
 
 @dataclass
@@ -36,171 +47,191 @@ class _Packed:
     copy: Copy  # the gather, possibly still running
 
 
+@dataclass
+class _Held:
+    """One request whose blocks prefill keeps for decode."""
+
+    deadline: float  # monotonic: freed then unless decode read it
+    since: float  # monotonic: when it was held
+    blocks: list[frozenset[int]] | None  # held block ids per group (None: a tool's hold)
+    reader: str | None = None  # claim token of its one reader, once claimed
+    readers_left: int = 1  # TP: decode ranks (sharing the token) still to say done
+    packed: _Packed | None = None  # where it was gathered, with packed transfer
+    digests: tuple[list[list[int]], PendingDigests] | None = None  # verify_kv
+
+
 class KVSource:
     """Prefill side: registers owners, answers handshakes, frees blocks when read or expired.
 
     Fail closed on claims: the first claim of a held request makes its token the only
     reader (a second decode is refused while the first reads and after: the blocks may be
-    free by then), a claim may name only blocks held for that request, and only the reader
-    (or, before any claim, anyone) can free a request early.
+    free by then), a claim must name exactly the blocks held for that request, and only
+    the reader (or, before any claim, anyone) can free a request early.
     """
 
     def __init__(
         self,
-        engine_id: str,
         topology: KVTopology,
         transport: NixlTransport,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        lease_s: float = 30.0,
-        identity: EngineIdentity | None = None,
-        secret: bytes | None = None,
+        settings: EngineSettings,
         packer: Packer | None = None,
         digester: Digester | None = None,
         shard: Shard | None = None,
+        probe: ProbeBuffer | None = None,
+        lane: LaneInfo | None = None,
     ):
-        self.engine_id = engine_id
+        check_exposure(settings.host, settings.secret, settings.insecure)
+        self.settings = settings
+        self.engine_id = settings.engine_id
         self.topology = topology
         self.transport = transport
-        self.lease_s = lease_s
+        self.lease_s = settings.lease_s
         transport.register(topology.regions)
         # Packed transfer: each held request gathered into one staging slot, read as a few
         # large runs (``layout.staging``); without room it is read block by block.
         self.packer = packer
-        self._packed: dict[str, _Packed] = {}
-        # verify_kv: each held request digested once, on the device, for its reader to check
-        self.digester = digester
-        self._digests: dict[str, tuple[list[list[int]], PendingDigests]] = {}
         if packer is not None:
             transport.register([packer.staging.region])
+        # verify_kv: each held request digested once, on the device, for its reader to check
+        self.digester = digester
+        self.probe = probe
+        probe_ref = self._probe_ref(probe, lane)  # registered before the metadata is taken
         self._reply = protocol.encode(
             protocol.HandshakeReply(
                 protocol_version=protocol.PROTOCOL_VERSION,
-                engine_id=engine_id,
+                engine_id=self.engine_id,
                 agent_name=transport.name,
                 agent_metadata=transport.metadata(),
-                layout=protocol.layout_to_msg(topology, identity, shard),
+                layout=protocol.layout_to_msg(topology, settings.identity, shard),
+                probe=probe_ref,
             )
         )
         # The side channel thread (claims) and the engine thread (hold/poll) share these.
         self._lock = threading.Lock()
-        self._held: dict[str, float] = {}  # request id -> lease deadline
-        self._blocks: dict[str, list[frozenset[int]]] = {}  # held block ids per group
-        self._reader: dict[str, str] = {}  # request id -> claim token of its one reader
-        # TP: done/abort notifications still awaited from the reader's other ranks
-        self._readers_left: dict[str, int] = {}
-        self._refused = Counter[str]()  # refused messages / claims the server did not count
-        self._warned_unknown_blocks = False
-        self._early: dict[str, float] = {}  # read before we were told to hold it
-        self._read_before_hold: set[str] = set()
+        self._held: dict[str, _Held] = {}
+        self._early: OrderedDict[str, float] = OrderedDict()  # read before held: deadline
+        self._freed: set[str] = set()  # done with since the last poll: free their blocks
         # Recently freed requests (bounded by count, not time: a late decode may come much
-        # later): claims for them are refused.
+        # later): claims for them are answered "gone".
         self._released: OrderedDict[str, None] = OrderedDict()
-        warn_if_no_secret(secret)
+        self._refused = Counter[str]()  # refused messages / claims the server did not count
+        self._log = LogBudget(20, 10.0)
+        self._warned_unknown_blocks = False
+        warn_if_no_secret(settings.secret)
         self.server = SideChannelServer(
-            host,
-            port,
-            self._answer,
-            secret=secret,
-            error=lambda message: protocol.encode(protocol.ErrorReply(message)),
+            settings.host, settings.port, self._answer, settings.secret, self.engine_id
         )
-        self.host, self.port = host, self.server.port
+        self.host, self.port = settings.host, self.server.port
+
+    def _probe_ref(
+        self, probe: ProbeBuffer | None, lane: LaneInfo | None
+    ) -> protocol.ProbeRef | None:
+        """Register the lane probe (decode measures the lane with it) and name it."""
+        if probe is None or probe.seed is None:
+            return None
+        self.transport.register([probe.region])
+        r = probe.region
+        lane = lane or LaneInfo()
+        return protocol.ProbeRef(
+            r.addr, r.nbytes, r.device_id, probe.seed, dict(lane.settings), lane.kv_ipc_capable
+        )
 
     def take_refused(self) -> dict[str, int]:
         """Refusals since the last call, for stats: ``refused_messages`` (unauthenticated,
-        malformed, oversize, rate-limited, replayed or over the per-message caps) and
-        ``refused_claims`` (another reader, or blocks not held for the request)."""
+        malformed, oversize, rate-limited, replayed, misaddressed or over the per-message
+        caps) and ``refused_claims`` (another reader, or blocks not held for the request)."""
         messages = sum(self.server.take_refused().values())
         with self._lock:
             messages += self._refused.pop("refused_messages", 0)
             claims = self._refused.pop("refused_claims", 0)
         return {"refused_messages": messages, "refused_claims": claims}
 
+    def _error(self, message: str) -> bytes:
+        """A refused message: counted, logged within budget, answered with why."""
+        with self._lock:
+            self._refused["refused_messages"] += 1
+        self._log.log(message)
+        return protocol.encode(protocol.ErrorReply(message[: protocol.MAX_REASON_CHARS]))
+
     def _answer(self, payload: bytes) -> bytes:
         try:
             message = protocol.decode(payload)
         except protocol.ProtocolError as exc:
-            logger.warning("side channel: %s", exc)
-            with self._lock:
-                self._refused["refused_messages"] += 1
-            return protocol.encode(protocol.ErrorReply(str(exc)))
+            return self._error(str(exc))
         if not isinstance(message, protocol.Hello | protocol.Claim | protocol.Release):
-            return protocol.encode(
-                protocol.ErrorReply(
-                    f"expected hello, claim or release, got {type(message).__name__}"
-                )
-            )
+            return self._error(f"expected hello, claim or release, got {type(message).__name__}")
         if message.protocol_version != protocol.PROTOCOL_VERSION:
-            return protocol.encode(
-                protocol.ErrorReply(
-                    f"protocol version {message.protocol_version} not supported "
-                    f"(this engine speaks {protocol.PROTOCOL_VERSION})"
-                )
+            return self._error(
+                f"protocol version {message.protocol_version} not supported (this engine "
+                f"speaks {protocol.PROTOCOL_VERSION})"
             )
         too_big = _over_caps(message)
         if too_big:
-            with self._lock:
-                self._refused["refused_messages"] += 1
-            logger.warning("side channel: %s", too_big)
-            return protocol.encode(protocol.ErrorReply(too_big))
+            return self._error(too_big)
         if isinstance(message, protocol.Claim):
             return protocol.encode(self._claim(message))
         if isinstance(message, protocol.Release):
             return protocol.encode(self._give_up(message))
         if message.expect_engine_id not in (None, self.engine_id):
-            return protocol.encode(
-                protocol.ErrorReply(
-                    f"this is engine {self.engine_id!r}, not {message.expect_engine_id!r}"
-                )
+            return self._error(
+                f"this is engine {self.engine_id!r}, not {message.expect_engine_id[:100]!r}"
             )
-        logger.info("handshake from engine %s", message.engine_id)
+        logger.info("handshake from engine %s", message.engine_id[:100])
         return self._reply
 
     def _claim(self, claim: protocol.Claim) -> protocol.ClaimReply:
         """Extend the leases of held requests for their one reader; say which are gone,
         which are refused (the rest: not yet held)."""
-        hold_s = min(max(claim.hold_s, 0.0), 10 * self.lease_s)
+        hold_s = min(max(claim.hold_s, 0.0), max(self.lease_s, MAX_CLAIM_HOLD_S))
         held, gone, refused = [], [], {}
+        packs: dict[str, _Packed] = {}
+        digests: dict[str, tuple[list[list[int]], PendingDigests]] = {}
+        ages: dict[str, float] = {}
         with self._lock:
-            deadline = time.monotonic() + hold_s
+            now = time.monotonic()
+            deadline = now + hold_s
             for request_id in claim.request_ids:
-                if request_id in self._held:
-                    reason = self._refusal(request_id, claim)
-                    if reason:
-                        refused[request_id] = reason
-                        self._refused["refused_claims"] += 1
-                        logger.warning("claim of request %s refused: %s", request_id, reason)
-                        continue
-                    if request_id not in self._reader:  # TP: several decode ranks read it
-                        self._readers_left[request_id] = min(max(claim.readers, 1), protocol.MAX_TP)
-                    self._reader[request_id] = claim.token
-                    self._held[request_id] = max(self._held[request_id], deadline)
-                    held.append(request_id)
-                elif request_id in self._released or request_id in self._read_before_hold:
-                    gone.append(request_id)
-            packs = {r: self._packed[r] for r in held if claim.packed and r in self._packed}
-            digests = {r: self._digests[r] for r in held if claim.verify and r in self._digests}
+                record = self._held.get(request_id)
+                if record is None:
+                    if request_id in self._released or request_id in self._freed:
+                        gone.append(request_id)
+                    continue
+                reason = self._refusal(request_id, record, claim)
+                if reason:
+                    refused[request_id] = reason
+                    self._refused["refused_claims"] += 1
+                    self._log.log(f"claim of request {request_id} refused: {reason}")
+                    continue
+                if record.reader is None:  # TP: several decode ranks read it
+                    record.readers_left = min(max(claim.readers, 1), protocol.MAX_TP)
+                record.reader = claim.token
+                record.deadline = max(record.deadline, deadline)
+                held.append(request_id)
+                ages[request_id] = round(now - record.since, 6)
+                if claim.packed and record.packed is not None:
+                    packs[request_id] = record.packed
+                if claim.verify and record.digests is not None:
+                    digests[request_id] = record.digests
         packed = {}
         for request_id, pack in packs.items():
             pack.copy.wait()  # the gather runs on a side stream: done before decode reads
+            assert self.packer is not None
             packed[request_id] = protocol.PackedRef(
                 self.packer.staging.addr + pack.slot, pack.nbytes, pack.device_id
             )
-        return protocol.ClaimReply(held, gone, refused, packed, _digest_msgs(digests))
+        return protocol.ClaimReply(held, gone, refused, packed, _digest_msgs(digests), ages)
 
-    def _refusal(self, request_id: str, claim: protocol.Claim) -> str | None:
+    def _refusal(self, request_id: str, record: _Held, claim: protocol.Claim) -> str | None:
         """Why ``claim`` may not read held ``request_id``, or None. Caller holds the lock."""
-        reader = self._reader.get(request_id)
         if not claim.token:
             return "the claim carries no reader token"
-        if reader is not None and reader != claim.token:
+        if record.reader is not None and record.reader != claim.token:
             return (
                 f"request {request_id} is already claimed by another decode (engine "
-                f"{claim.engine_id} asked): one reader per request, a retry or second "
+                f"{claim.engine_id[:100]} asked): one reader per request, a retry or second "
                 "sample must be prefilled again"
             )
-        held = self._blocks.get(request_id)
-        if held is None:
+        if record.blocks is None:
             if not self._warned_unknown_blocks:
                 self._warned_unknown_blocks = True
                 logger.warning(
@@ -210,62 +241,76 @@ class KVSource:
             return None
         named = claim.block_ids.get(request_id)
         if named is None:
-            return "the claim does not name the block ids it will read"
-        if len(named) != len(held):
-            return f"the claim names {len(named)} group(s) of blocks, prefill holds {len(held)}"
-        for group, (ids, own) in enumerate(zip(named, held, strict=True)):
-            foreign = [b for b in ids if b not in own]
-            if foreign:
+            return "the claim does not name the block ids of the request"
+        if len(named) != len(record.blocks):
+            return (
+                f"the claim names {len(named)} group(s) of blocks, prefill holds "
+                f"{len(record.blocks)}"
+            )
+        for group, (ids, own) in enumerate(zip(named, record.blocks, strict=True)):
+            named_set = frozenset(b for b in ids if b)
+            if named_set != own:
+                foreign = sorted(named_set - own)[:5]
+                missing = sorted(own - named_set)[:5]
                 return (
-                    f"the claim names block(s) {foreign[:5]} of group {group} that prefill does "
-                    f"not hold for request {request_id}"
+                    f"the claim's block ids of group {group} are not the ones prefill holds "
+                    f"for request {request_id} (not held: {foreign}, not named: {missing})"
                 )
         return None
 
     def _give_up(self, release: protocol.Release) -> protocol.ClaimReply:
         """Decode will never read these: free them on the next poll (or at once when the
-        scheduler hands them over later), as an abort notification would."""
+        scheduler hands them over later), as an abort notification would. The reply says
+        what happened to each: freed (``gone``) or refused (another reader claimed it)."""
         now = time.monotonic()
+        gone, refused = [], {}
         with self._lock:
             for request_id in release.request_ids:
-                logger.warning(
-                    "decode engine %s gave up on request %s: %s; freeing its blocks",
-                    release.engine_id,
-                    request_id,
-                    release.reason,
-                )
-                self._decode_done(request_id, now, "")
-        return protocol.ClaimReply([], list(release.request_ids))
+                if self._decode_done(request_id, now, release.token):
+                    gone.append(request_id)
+                else:
+                    refused[request_id] = "claimed by another reader: only it may free it"
+                    self._refused["refused_claims"] += 1
+        if gone:
+            logger.info(
+                "decode engine %s gave up on %d request(s) (%s): %s; freeing their blocks",
+                release.engine_id[:100],
+                len(gone),
+                gone[0][:100],
+                release.reason[: protocol.MAX_REASON_CHARS],
+            )
+        return protocol.ClaimReply([], gone, refused)
 
-    def _decode_done(self, request_id: str, now: float, token: str) -> None:
+    def _decode_done(self, request_id: str, now: float, token: str) -> bool:
         """Decode is done with a request (read it, or gave up): free its blocks on the next
         poll, or when the scheduler hands them over if it has not yet (decode can be faster
         than our scheduler's hold). Once a reader claimed the request, only that reader
-        frees it early (the lease still bounds it). Caller holds the lock."""
-        reader = self._reader.get(request_id)
-        if reader is not None and token != reader:
-            logger.warning(
-                "request %s: ignored a done/abort from a decode that is not its reader",
-                request_id,
+        frees it early (the lease still bounds it): False for anyone else. Caller holds
+        the lock."""
+        record = self._held.get(request_id)
+        if record is None:
+            if request_id not in self._released and request_id not in self._freed:
+                self._early[request_id] = now + self.lease_s
+                self._early.move_to_end(request_id)
+                while len(self._early) > EARLY_MEMORY:
+                    self._early.popitem(last=False)
+            return True
+        if record.reader is not None and token != record.reader:
+            self._log.log(
+                f"request {request_id}: ignored a done/abort from a decode that is not its reader"
             )
-            return
-        if reader is not None and self._readers_left.get(request_id, 1) > 1:
-            self._readers_left[request_id] -= 1  # TP: another decode rank still reads it
-            return
-        if self._held.pop(request_id, None) is not None:
-            self._forget(request_id)
-            self._read_before_hold.add(request_id)
-        elif request_id not in self._released:
-            self._early[request_id] = now + self.lease_s
+            return False
+        if record.reader is not None and record.readers_left > 1:
+            record.readers_left -= 1  # TP: another decode rank still reads it
+            return True
+        self._forget(request_id)
+        self._freed.add(request_id)
+        return True
 
     def _forget(self, request_id: str) -> None:
-        self._blocks.pop(request_id, None)
-        self._digests.pop(request_id, None)
-        self._reader.pop(request_id, None)
-        self._readers_left.pop(request_id, None)
-        pack = self._packed.pop(request_id, None)
-        if pack is not None and self.packer is not None:
-            self.packer.staging.release(pack.slot)  # later gathers queue behind this one
+        record = self._held.pop(request_id)
+        if record.packed is not None and self.packer is not None:
+            self.packer.staging.release(record.packed.slot)  # later gathers queue behind it
 
     def hold(
         self,
@@ -274,26 +319,27 @@ class KVSource:
         block_ids: Sequence[Sequence[int]] | None = None,
     ) -> None:
         """Keep a finished prefill's blocks until decode reads them or the lease ends;
-        ``block_ids`` (per group) are what claims for it may name, and what is packed."""
+        ``block_ids`` (per group) are what claims for it must name, and what is packed."""
         with self._lock:
             if self._early.pop(request_id, None) is not None:
-                self._read_before_hold.add(request_id)  # freed on the next poll
+                self._freed.add(request_id)  # read (or given up) already: freed next poll
                 return
             lease = self.lease_s if lease_s is None else lease_s
-            self._held[request_id] = time.monotonic() + lease
-            if block_ids is not None:
-                self._blocks[request_id] = [frozenset(b for b in ids if b) for ids in block_ids]
-                if self.packer is not None:
-                    self._pack(request_id, block_ids)
-                if self.digester is not None:
-                    real = [[int(b) for b in ids if b] for ids in block_ids]
-                    self._digests[request_id] = (real, self.digester.start(self.topology, real))
+            now = time.monotonic()
+            record = _Held(now + lease, now, None)
+            self._held[request_id] = record
+            if block_ids is None:
+                return
+            real = [[int(b) for b in ids if b] for ids in block_ids]  # never the null block
+            record.blocks = [frozenset(ids) for ids in real]
+            if self.packer is not None:
+                record.packed = self._pack(request_id, real)
+            if self.digester is not None:
+                record.digests = (real, self.digester.start(self.topology, real))
 
-    def _pack(self, request_id: str, block_ids: Sequence[Sequence[int]]) -> None:
-        """Gather the request into a staging slot (no room: it is read block by block).
-        Caller holds the lock."""
+    def _pack(self, request_id: str, real: list[list[int]]) -> _Packed | None:
+        """Gather the request into a staging slot (no room: it is read block by block)."""
         assert self.packer is not None
-        real = [[b for b in ids if b] for ids in block_ids]  # never the null block
         layout = PackedLayout.of(request_descriptors(self.topology, real))
         slot = self.packer.staging.allocate(layout.nbytes)
         if slot is None:
@@ -302,15 +348,21 @@ class KVSource:
                 request_id,
                 layout.nbytes / 2**20,
             )
-            return
+            return None
         copy = self.packer.gather(layout.addr, layout.length, slot + layout.offset)
         device = self.packer.staging.region.device_id
-        self._packed[request_id] = _Packed(slot, layout.nbytes, device, copy)
+        return _Packed(slot, layout.nbytes, device, copy)
+
+    def packed_slot(self, request_id: str) -> _Packed | None:
+        """Where a held request was packed (tests and tools that inspect the staging)."""
+        with self._lock:
+            record = self._held.get(request_id)
+            return record.packed if record is not None else None
 
     @property
     def held(self) -> set[str]:
         with self._lock:
-            return set(self._held) | self._read_before_hold
+            return set(self._held) | self._freed
 
     def poll(self) -> tuple[set[str], set[str]]:
         """``(read, expired)`` request ids whose blocks can be freed now."""
@@ -330,18 +382,18 @@ class KVSource:
                 try:
                     _, request_id, token = protocol.parse_notification(message)
                 except protocol.ProtocolError as exc:
-                    logger.warning("notification from %s ignored: %s", peer, exc)
+                    self._log.log(f"notification from {peer[:100]} ignored: {exc}")
                     continue
                 self._decode_done(request_id, now, token)
-        read, self._read_before_hold = self._read_before_hold, set()
-        expired = {r for r, deadline in self._held.items() if deadline <= now}
+        read, self._freed = self._freed, set()
+        expired = {r for r, record in self._held.items() if record.deadline <= now}
         for request_id in expired:
-            del self._held[request_id]
             self._forget(request_id)
             logger.warning(
                 "decode never read request %s within its lease: freeing its blocks", request_id
             )
-        self._early = {r: d for r, d in self._early.items() if d > now}
+        while self._early and next(iter(self._early.values())) <= now:  # oldest first
+            self._early.popitem(last=False)
         return read, expired
 
     def close(self) -> None:
@@ -365,9 +417,13 @@ def _over_caps(message: protocol.SideMessage) -> str | None:
     ids = getattr(message, "request_ids", [])
     if len(ids) > protocol.MAX_IDS_PER_MESSAGE:
         return f"{len(ids)} request ids in one message (at most {protocol.MAX_IDS_PER_MESSAGE})"
-    names = [*ids, getattr(message, "engine_id", "")]
+    names = [*ids, getattr(message, "engine_id", ""), getattr(message, "token", "")]
+    if isinstance(message, protocol.Hello):
+        names.append(message.expect_engine_id or "")
     if any(len(n) > protocol.MAX_ID_CHARS for n in names):
         return f"an id longer than {protocol.MAX_ID_CHARS} characters"
+    if isinstance(message, protocol.Release) and len(message.reason) > protocol.MAX_REASON_CHARS:
+        return f"a release reason longer than {protocol.MAX_REASON_CHARS} characters"
     if isinstance(message, protocol.Claim):
         blocks = sum(len(g) for ids in message.block_ids.values() for g in ids)
         if blocks > protocol.MAX_BLOCK_IDS_PER_MESSAGE or len(message.block_ids) > len(ids):

@@ -3,25 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
 
+from kvshare_connector.backends.base import LoadOrder, StoreOrder
+from kvshare_connector.layout.topology import BlockIds
+
 
 @dataclass
 class KVShareMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, one engine step: the backend's work orders.
+    """Scheduler -> worker, one engine step: the backend's work orders."""
 
-    Each load order has ``request_id`` and ``local_block_ids`` (empty lists: nothing to load,
-    only let prefill free its blocks); store orders are the backend's own.
-    """
-
-    to_load: list[Any] = field(default_factory=list)
-    to_hold: dict[str, tuple[float, Any]] = field(default_factory=dict)  # id -> (lease, ids)
-    to_store: list[Any] = field(default_factory=list)
+    to_load: list[LoadOrder] = field(default_factory=list)
+    to_hold: dict[str, BlockIds] = field(default_factory=dict)  # prefill: id -> held blocks
+    to_store: list[StoreOrder] = field(default_factory=list)
 
 
 @dataclass

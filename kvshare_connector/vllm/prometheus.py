@@ -12,9 +12,10 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from kvshare_connector.vllm.stats import COUNTERS
+from kvshare_connector.vllm.stats import COUNTERS, LANES, PHASES
 
-_SECONDS_BUCKETS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]
+_SECONDS_BUCKETS = [5e-5, 1e-4, 2e-4, 5e-4, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                    1.0, 5.0]  # fmt: skip
 _BYTES_BUCKETS = [2 ** (14 + 2 * i) for i in range(10)]  # 16 KiB .. 4 GiB
 _DESCRIPTOR_BUCKETS = [1, 2, 4, 8, 16, 64, 256, 1024, 4096, 16384, 65536]
 
@@ -39,6 +40,9 @@ _COUNTER_HELP = {
     "refused_claims": "Claims refused (a second reader, blocks not held for the request).",
     "packed_reads": "Reads that moved the request packed (few large descriptors).",
     "direct_reads": "Reads that moved block by block (no staging room, or packing off).",
+    "verified_loads": "Loads whose KV digests matched prefill's (verify_kv).",
+    "verify_failures": "Loads whose KV differed from prefill's (verify_kv): computed locally.",
+    "slow_lanes": "Lane probes that found a prefill reachable only on a slow lane.",
 }
 
 
@@ -71,6 +75,23 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
             )
             for key in COUNTERS
         }
+        # One series per prefill and lane: the probe's GB/s (labels beyond the engine's).
+        self._engine_labels = per_engine_labelvalues
+        self.phases = self._histogram_cls(
+            name="vllm:kvshare_load_phase_seconds",
+            documentation="Where a KV load's time goes: seconds from decode's load order to "
+            "each phase (claimed, posted, landed, verified, reported); prefill_held: how "
+            "long prefill held the request before decode's claim came.",
+            buckets=_SECONDS_BUCKETS,
+            labelnames=[*labelnames, "phase"],
+        )
+        self.lane_gbps = self._gauge_cls(
+            name="vllm:kvshare_lane_probe_gbps",
+            documentation="GB/s of the lane probe READ from each prefill, labelled by lane "
+            "(cuda_ipc zero-copy, GPU RDMA, host memory, software emulation (tcp)).",
+            labelnames=[*labelnames, "peer", "lane"],
+            multiprocess_mode="mostrecent",
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, per_engine in self.histograms.items():
@@ -79,3 +100,9 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
         for key, per_engine in self.counters.items():
             if n := transfer_stats_data.get(key, 0):
                 per_engine[engine_idx].inc(n)
+        labels = self._engine_labels.get(engine_idx, [])
+        for peer, lane, gbps in transfer_stats_data.get(LANES, ()):
+            self.lane_gbps.labels(*labels, peer, lane).set(gbps)
+        for timeline in transfer_stats_data.get(PHASES, ()):
+            for phase, seconds in timeline.items():
+                self.phases.labels(*labels, phase).observe(seconds)

@@ -15,14 +15,15 @@ from typing import Any
 
 from kvshare_connector.backends.base import (
     Backend,
-    BlockIds,
     DecodeRequest,
-    Hold,
+    LoadOrder,
     ScheduledRequest,
     SchedulerContext,
 )
+from kvshare_connector.backends.options import ConnectorOptions
 from kvshare_connector.common.log import get_logger
-from kvshare_connector.transfer.protocol import (
+from kvshare_connector.layout.topology import BlockIds
+from kvshare_connector.transfer.kv_params import (
     KVTransferParamsError,
     kv_transfer_params,
     prompt_mismatch,
@@ -44,36 +45,12 @@ class _Loading:
 class KVShareScheduler:
     """Scheduler-side logic, one per engine; the backend's scheduler side makes the orders."""
 
-    def __init__(
-        self,
-        vllm_config: Any,
-        kv_cache_config: Any,
-        engine_id: str,
-        side_channel_host: str,
-        side_channel_port: int,
-        lease_s: float,
-        backend: Backend,
-    ):
-        self.engine_id = engine_id
-        self.host = side_channel_host
-        self.port = side_channel_port
-        self.lease_s = lease_s
-        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
-        self.num_groups = len(specs)
-        self.backend = backend.scheduler_side(
-            SchedulerContext(
-                engine_id=engine_id,
-                host=side_channel_host,
-                port=side_channel_port,
-                lease_s=lease_s,
-                tp_size=self.tp_size,
-                block_sizes=[s.block_size for s in specs],
-                sliding_windows=[getattr(s, "sliding_window", None) for s in specs],
-            )
-        )
-        self._to_load: list[Any] = []
-        self._to_hold: dict[str, Hold] = {}
+    def __init__(self, context: SchedulerContext, backend: Backend):
+        self.context = context
+        self.num_groups = context.num_groups
+        self.backend = backend.scheduler_side(context)
+        self._to_load: list[LoadOrder] = []
+        self._to_hold: dict[str, BlockIds] = {}
         self._loading: dict[str, _Loading] = {}
         self._local_tokens: dict[str, int] = {}  # tokens cached locally when matched
         self.load_errors: dict[str, str] = {}
@@ -208,19 +185,20 @@ class KVShareScheduler:
             request.request_id, tuple(list(ids) for ids in block_ids)
         )
         if result.hold:
-            self._to_hold[request.request_id] = (self.lease_s, result.remote_block_ids)
+            self._to_hold[request.request_id] = result.remote_block_ids
         params = self._params(request, result.remote_block_ids)
         return result.hold, {**params, **result.extra_params}
 
     def _params(self, request: Any, block_ids: BlockIds) -> dict[str, Any]:
         """What decode needs, in vLLM NixlConnector's names (so PD proxies pass it on)."""
+        c = self.context
         return kv_transfer_params(
             remote_block_ids=block_ids,
-            remote_engine_id=self.engine_id,
+            remote_engine_id=c.engine_id,
             remote_request_id=request.request_id,
-            remote_host=self.host,
-            remote_port=self.port,
-            tp_size=self.tp_size,
+            remote_host=c.host,
+            remote_port=c.port,
+            tp_size=c.tp_size,
             remote_num_tokens=request.num_computed_tokens,
             prompt_token_ids=request.prompt_token_ids,
         )
@@ -241,6 +219,27 @@ class KVShareScheduler:
         meta = KVShareMetadata(to_load=self._to_load, to_hold=self._to_hold, to_store=stores)
         self._to_load, self._to_hold = [], {}
         return meta
+
+
+def scheduler_context(
+    vllm_config: Any,
+    kv_cache_config: Any,
+    engine_id: str,
+    host: str,
+    port: int,
+    options: ConnectorOptions,
+) -> SchedulerContext:
+    """The scheduler side's view of its engine, from vLLM's configs."""
+    specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+    return SchedulerContext(
+        engine_id=engine_id,
+        host=host,
+        port=port,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        block_sizes=[s.block_size for s in specs],
+        sliding_windows=[getattr(s, "sliding_window", None) for s in specs],
+        options=options,
+    )
 
 
 def scheduled_requests(scheduler_output: Any) -> list[ScheduledRequest]:

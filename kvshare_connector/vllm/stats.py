@@ -8,11 +8,14 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvshare_connector.transfer.records import TransferRecord
+
 _SERIES = ("bytes", "blocks", "descriptors", "seconds")
 # refused_*: prefill's side channel refused a message (unauthenticated, garbage, oversize,
 # rate-limited, replayed) or a claim (a second reader, blocks not held for the request).
 # packed_reads / direct_reads: how decode's reads moved (few large runs, or block by block).
 # verified_loads / verify_failures: verify_kv's digests matched prefill's, or did not.
+# slow_lanes: lane probes that found a prefill reachable only on a slow lane (tcp emulation).
 COUNTERS = (
     "failed_loads",
     "expired_leases",
@@ -23,11 +26,14 @@ COUNTERS = (
     "direct_reads",
     "verified_loads",
     "verify_failures",
+    "slow_lanes",
 )
+LANES = "lanes"  # lane probes: [prefill engine, lane, GB/s] each
+PHASES = "phases"  # per read: {phase: seconds since decode got the order} (records.PHASES)
 
 
 def empty_data() -> dict[str, Any]:
-    return {**{k: [] for k in _SERIES}, **{k: 0 for k in COUNTERS}}
+    return {**{k: [] for k in _SERIES}, LANES: [], PHASES: [], **{k: 0 for k in COUNTERS}}
 
 
 @dataclass
@@ -40,9 +46,20 @@ class KVShareStats(KVConnectorStats):
         for key, value in empty_data().items():
             self.data.setdefault(key, value)
 
-    def record_read(self, nbytes: int, blocks: int, descriptors: int, seconds: float) -> None:
-        for key, value in zip(_SERIES, (nbytes, blocks, descriptors, seconds), strict=True):
+    def record_read(self, record: TransferRecord) -> None:
+        values = (record.bytes, record.blocks, record.descriptors, record.seconds)
+        for key, value in zip(_SERIES, values, strict=True):
             self.data[key].append(value)
+        timeline = dict(record.timeline)
+        if record.prefill_held_s is not None:
+            timeline["prefill_held"] = record.prefill_held_s
+        if timeline:
+            self.data[PHASES].append(timeline)
+
+    def record_lane(self, peer: str, lane: str, gbps: float, slow: bool) -> None:
+        self.data[LANES].append([peer, lane, round(gbps, 3)])
+        if slow:
+            self.count("slow_lanes")
 
     def count(self, counter: str, n: int = 1) -> None:
         self.data[counter] += n
@@ -52,14 +69,18 @@ class KVShareStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVShareStats:
         if not other.is_empty():
-            for key in _SERIES:
+            for key in (*_SERIES, LANES, PHASES):
                 self.data[key].extend(other.data.get(key, []))
             for key in COUNTERS:
                 self.data[key] += other.data.get(key, 0)
         return self
 
     def is_empty(self) -> bool:
-        return not self.data["seconds"] and not any(self.data[k] for k in COUNTERS)
+        return (
+            not self.data["seconds"]
+            and not self.data[LANES]
+            and not any(self.data[k] for k in COUNTERS)
+        )
 
     def reduce(self) -> dict[str, int | float]:
         seconds = self.data["seconds"]
@@ -75,4 +96,9 @@ class KVShareStats(KVConnectorStats):
             "GB/s": round(total_bytes / busy / 1e9, 3) if busy else 0,
         }
         out.update({k: self.data[k] for k in COUNTERS})
+        if self.data[LANES]:
+            out["lane GB/s"] = min(gbps for _, _, gbps in self.data[LANES])
+        reported = [t["reported"] for t in self.data[PHASES] if "reported" in t]
+        if reported:
+            out["load p50 ms"] = round(statistics.median(reported) * 1e3, 3)
         return out

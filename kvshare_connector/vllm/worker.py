@@ -18,7 +18,8 @@ from typing import Any
 from kvshare_connector.backends.base import Backend, WorkerContext, WorkerProgress
 from kvshare_connector.common.log import get_logger
 from kvshare_connector.layout import kvcached
-from kvshare_connector.layout.topology import KVTopology
+from kvshare_connector.layout.topology import BlockIds, KVTopology
+from kvshare_connector.transfer.records import TransferRecord
 from kvshare_connector.vllm import adapter as vllm_adapter
 from kvshare_connector.vllm import compat
 from kvshare_connector.vllm.metadata import KVShareMetadata, KVShareWorkerMeta
@@ -27,7 +28,7 @@ from kvshare_connector.vllm.stats import KVShareStats
 logger = get_logger(__name__)
 
 
-def _append_read_log(path: str, records: Sequence[Any]) -> None:
+def _append_read_log(path: str, records: Sequence[TransferRecord]) -> None:
     with open(path, "a") as log:
         for record in records:
             log.write(json.dumps({"time": time.time(), **dataclasses.asdict(record)}) + "\n")
@@ -40,19 +41,18 @@ class KVShareWorker:
         kv_cache_config: Any,
         backend: Backend,
         context: WorkerContext,
-        read_log: str | None = None,
     ):
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.context = context
         self._backend_factory = backend
         self.backend = backend.worker_side(context)
-        self.read_log = read_log  # path: one JSON line per finished read (decode)
+        self.read_log = context.options.read_log  # path: one JSON line per finished read
         self.topology: KVTopology | None = None
         self.stats = KVShareStats()
         self._failed: dict[str, str] = {}
         self._invalid_blocks: set[int] = set()
-        self._local_ids: dict[str, Any] = {}
+        self._local_ids: dict[str, BlockIds] = {}
         self._tensors: Any = None  # what was registered, to register again after sleep
         self._asleep = False
         self._held: set[str] = set()  # prefill: requests whose blocks decode may still read
@@ -139,11 +139,13 @@ class KVShareWorker:
         for request_id, reason in progress.failed.items():
             self._fail(request_id, reason)
         for record in progress.records:
-            self.stats.record_read(record.bytes, record.blocks, record.descriptors, record.seconds)
+            self.stats.record_read(record)
             if record.bytes:
                 self.stats.count("packed_reads" if record.packed else "direct_reads")
             if record.verified:
                 self.stats.count("verified_loads")
+        for lane in progress.lanes:
+            self.stats.record_lane(lane.peer, lane.lane, lane.gbps, lane.slow)
         if self.read_log and progress.records:
             _append_read_log(self.read_log, progress.records)
         recving = progress.loaded | set(self._failed)  # vLLM needs failed loads as finished

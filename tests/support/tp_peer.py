@@ -37,8 +37,9 @@ class Engine:
         from kvshare_connector.devtools.demo import requests_block_ids
         from kvshare_connector.devtools.headcheck import fill_heads
         from kvshare_connector.toolkit.procs import free_port_run
+        from kvshare_connector.transfer.kv_params import kv_transfer_params
         from kvshare_connector.transfer.nixl import NixlTransport
-        from kvshare_connector.transfer.protocol import kv_transfer_params
+        from kvshare_connector.transfer.settings import EngineSettings
         from kvshare_connector.transfer.shards import rank_shard
         from kvshare_connector.transfer.source import KVSource
 
@@ -58,10 +59,12 @@ class Engine:
                 requests = requests_block_ids(topology, TOKENS, spec["requests"], 11)
             for index, ids in enumerate(requests):
                 fill_heads(stack.kv_caches, topology, shard, ids, seed=index)
+            settings = EngineSettings(
+                engine_id, port=base + rank, lease_s=spec.get("lease_s", 900.0)
+            )
             source = KVSource(
-                engine_id, topology, NixlTransport(f"{engine_id}-r{rank}"), "127.0.0.1",
-                base + rank, lease_s=spec.get("lease_s", 900.0), shard=shard,
-            )  # fmt: skip
+                topology, NixlTransport(f"{engine_id}-r{rank}"), settings, shard=shard
+            )
             source.keep = stack  # type: ignore[attr-defined]
             self.sources.append(source)
         described = []

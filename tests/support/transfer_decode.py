@@ -46,22 +46,29 @@ class Decoder:
         identity: EngineIdentity | None = None,
         packed_mib: int = 0,
         progress_thread: bool = False,
+        probe_mib: int = 0,
     ):
         from kvshare_connector.transfer.nixl import NixlTransport
+        from kvshare_connector.transfer.probe import ProbeBuffer
+        from kvshare_connector.transfer.settings import EngineSettings
         from kvshare_connector.transfer.sink import KVSink
 
         self.stack, self.topology = build(model, layout, kv_mib, 2048)
         self.transport = NixlTransport(
             f"decode-{name}-{os.getpid()}", progress_thread=progress_thread
         )
-        self.sink = KVSink(
+        settings = EngineSettings(
             f"decode-{name}",
+            handshake_timeout_s=handshake_s,
+            transfer_timeout_s=TRANSFER_S,
+            identity=identity,
+        )
+        self.sink = KVSink(
             self.topology,
             self.transport,
-            handshake_s,
-            TRANSFER_S,
-            identity,
+            settings,
             packer=cpu_packer(self.stack, packed_mib),
+            probe=ProbeBuffer(probe_mib << 20, "cpu") if probe_mib else None,
         )
 
     def zero(self) -> None:
@@ -113,9 +120,13 @@ def decoder_pool():
         identity: EngineIdentity | None = None,
         packed_mib: int = 0,
         progress_thread: bool = False,  # off: see transfer_peer.peer_env; tests poll
+        probe_mib: int = 0,
     ):
         kv_mib = kv_mib or DECODE_KV_MIB[model]
-        key = (model, layout, kv_mib, handshake_s, repr(identity), packed_mib, progress_thread)
+        key = (
+            model, layout, kv_mib, handshake_s, repr(identity), packed_mib, progress_thread,
+            probe_mib,
+        )  # fmt: skip
         if key not in made:
             made[key] = Decoder(
                 model,
@@ -126,6 +137,7 @@ def decoder_pool():
                 identity,
                 packed_mib,
                 progress_thread,
+                probe_mib,
             )
         return made[key]
 

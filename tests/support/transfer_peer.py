@@ -20,7 +20,9 @@ per request, or "bytes": every registered byte set to 0x5A, fast enough for big 
 identity (the ``EngineIdentity`` fields the source states, default none), packed_mib (0),
 verify (false: digest held requests for ``verify_kv`` readers), corrupt (request indices
 whose first owner block, or first packed bytes, are overwritten after it was held and
-digested: the KV changed under prefill).
+digested: the KV changed under prefill), probe_mib (0: a lane probe buffer of this size,
+named in the handshake), probe_lie (false: the probe buffer holds another seed's pattern
+than the one the handshake names), secret (none: the side channel's shared secret).
 """
 
 from __future__ import annotations
@@ -70,8 +72,9 @@ class Served:
         from kvshare_connector.devtools import kvcheck
         from kvshare_connector.devtools.demo import build, cpu_digester, cpu_packer
         from kvshare_connector.layout.matching import EngineIdentity
+        from kvshare_connector.transfer.kv_params import kv_transfer_params
         from kvshare_connector.transfer.nixl import NixlTransport
-        from kvshare_connector.transfer.protocol import kv_transfer_params
+        from kvshare_connector.transfer.settings import EngineSettings
         from kvshare_connector.transfer.source import KVSource
 
         self.name = spec["name"]
@@ -94,16 +97,27 @@ class Served:
         identity = EngineIdentity(**spec["identity"]) if spec.get("identity") else None
         # Packed transfer: a host staging area over the KV (0: block by block).
         packer = cpu_packer(self.stack, spec.get("packed_mib", 0))
-        self.source = KVSource(
+        probe = None
+        if spec.get("probe_mib"):
+            from kvshare_connector.transfer.probe import ProbeBuffer
+
+            probe = ProbeBuffer(spec["probe_mib"] << 20, "cpu", seed=seed)
+            if spec.get("probe_lie"):
+                probe.seed = seed + 1  # the handshake names a pattern the buffer does not hold
+        settings = EngineSettings(
             engine_id,
-            topology,
-            NixlTransport(engine_id),
-            "127.0.0.1",
-            spec.get("port", 0),
+            port=spec.get("port", 0),
             lease_s=lease_s,
             identity=identity,
+            secret=spec["secret"].encode() if spec.get("secret") else None,
+        )
+        self.source = KVSource(
+            topology,
+            NixlTransport(engine_id),
+            settings,
             packer=packer,
             digester=cpu_digester(self.stack) if spec.get("verify") else None,
+            probe=probe,
         )
         self.started = time.monotonic()
         described = []
@@ -111,7 +125,7 @@ class Served:
             request_id = f"{self.name}-req-{index}"
             self.source.hold(request_id, block_ids=ids)  # claims may name only these
             if index in spec.get("corrupt", []):
-                packed = self.source._packed.get(request_id)
+                packed = self.source.packed_slot(request_id)
                 if packed is None:
                     overwrite_first_block(topology, ids)
                 else:  # what decode reads is the packed copy: change that

@@ -28,6 +28,8 @@ from kvshare_connector.toolkit.launcher import (
     plan_colocated,
 )
 from kvshare_connector.toolkit.proxy import ProxyTimeouts
+from kvshare_connector.transfer import lanes
+from kvshare_connector.transfer.side_channel import SECRET_ENV
 
 ROOT = Path(__file__).resolve().parents[3]
 KINDS = ("ours", "nixl", "colocated")
@@ -233,8 +235,18 @@ def pd_engines(
         share = args.decode_gpu_mem if role == "decode" and args.decode_gpu_mem else args.gpu_mem
         argv = engine_argv(cfg, role, port, share, kv)
         env = engine_env(cfg, gpus[i % len(gpus)], cfg.side_channel_port + k * SIDE_CHANNEL_STRIDE)
+        if kind != "ours":  # lane against lane: the UCX settings ours chooses for itself
+            env = {**baseline_lane(env), **env}
         specs.append(EngineSpec(f"{role}{i}", role, cfg.host, port, argv, env))
     return specs
+
+
+def baseline_lane(env: dict[str, str]) -> dict[str, str]:
+    """The UCX settings our connector would choose for GPU KV in this environment (the
+    engine's own UCX_* values win), given to vLLM's NixlConnector so that a comparison is
+    lane against lane, not cuda_ipc against UCX's tcp emulation."""
+    vmm = env.get("ENABLE_KVCACHED") == "true"
+    return dict(lanes.plan_lane({"VRAM"}, vmm=vmm, environ=env).chosen)
 
 
 def check_memory(planned: list[Planned], one_at_a_time: bool) -> None:
@@ -258,7 +270,8 @@ def describe(planned: list[Planned]) -> dict[str, Any]:
             "endpoint": p.endpoint,
             "read_logs": p.read_logs,
             "engines": [
-                {"name": e.name, "role": e.role, "url": e.url, "argv": e.argv, "env": e.env}
+                {"name": e.name, "role": e.role, "url": e.url, "argv": e.argv,
+                 "env": {k: "<redacted>" if k == SECRET_ENV else v for k, v in e.env.items()}}
                 for e in p.deployment.engines
             ],
         }

@@ -14,31 +14,32 @@ starts, and the options are parsed (with LMCache's option names) in the construc
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvshare_connector.backends.base import (
     Backend,
-    BlockIds,
     DecodeRequest,
+    LoadOrder,
     PrefillResult,
     ScheduledRequest,
     SchedulerBackend,
     SchedulerContext,
+    StoreOrder,
     WorkerBackend,
     WorkerContext,
     WorkerProgress,
-    flag_option,
 )
 from kvshare_connector.backends.lmcache.config import (
     BACKEND_NAME,
     LMCacheBackendConfig,
     default_model_tag,
 )
+from kvshare_connector.backends.options import ConnectorOptions
 from kvshare_connector.common.log import get_logger
-from kvshare_connector.layout.topology import KVTopology
-from kvshare_connector.transfer.protocol import RemotePrefillParams
+from kvshare_connector.layout.topology import BlockIds, KVTopology
+from kvshare_connector.transfer.kv_params import RemotePrefillParams
 
 if TYPE_CHECKING:
     from kvshare_connector.backends.lmcache.store import LMCacheStore
@@ -46,22 +47,15 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
-@dataclass
-class StoreKV:
-    """Prefill: this step computes the prompt's last token; store it after the forward."""
+StoreKV = StoreOrder  # prefill: this step computes the prompt's last token; store it after
 
-    request_id: str
+
+@dataclass(frozen=True)
+class LoadKV(LoadOrder):
+    """Decode: load the prompt's KV into ``local_block_ids`` (full tables from position 0,
+    null block 0 kept)."""
+
     token_ids: list[int]
-    block_ids: BlockIds  # full tables from position 0, one per group
-
-
-@dataclass
-class LoadKV:
-    """Decode: load the prompt's KV into these blocks."""
-
-    request_id: str
-    token_ids: list[int]
-    local_block_ids: BlockIds  # full tables from position 0 (null block 0 kept)
     num_computed_tokens: int  # tokens cached locally before the external ones
 
 
@@ -115,8 +109,8 @@ class LMCacheScheduler(SchedulerBackend):
             return None  # everything is cached locally; prefill holds nothing to free
         return LoadKV(
             request.request_id,
-            list(request.prompt_token_ids),
             tuple(list(ids) for ids in request.block_ids),
+            list(request.prompt_token_ids),
             request.num_local_tokens,
         )
 
@@ -159,10 +153,11 @@ class LMCacheWorker(WorkerBackend):
             f"stream(s), {per_token} B per token"
         )
 
-    def start_loads(self, orders: Sequence[LoadKV]) -> dict[str, str]:
+    def start_loads(self, orders: Sequence[LoadOrder]) -> dict[str, str]:
         """Load synchronously: a loaded request is reported by the next ``poll``."""
         failed: dict[str, str] = {}
         for order in orders:
+            assert isinstance(order, LoadKV)
             try:
                 if self.store is None:
                     raise RuntimeError("the LMCache store is not started")
@@ -204,10 +199,12 @@ class LMCacheBackend(Backend):
 
     name = BACKEND_NAME
 
-    def __init__(self, extra_config: Mapping[str, Any]):
-        super().__init__(extra_config)
-        self.config = LMCacheBackendConfig.from_extra_config(extra_config)
-        if flag_option(extra_config, "verify_kv"):
+    def __init__(self, options: ConnectorOptions):
+        super().__init__(options)
+        self.config = LMCacheBackendConfig.from_extra_config(
+            {"backend": options.backend, "lmcache": options.lmcache or {}}
+        )
+        if options.verify_kv:
             # Not silently off: a user who asked for verified loads must not get unverified.
             raise ValueError(
                 "verify_kv is a feature of the nixl backend; the lmcache backend cannot "

@@ -1,0 +1,174 @@
+"""``kv_transfer_params``: what prefill returns for decode, and decode's strict check of it.
+
+The names are vLLM NixlConnector's, so existing PD proxies pass them on unchanged. Decode
+takes them from whoever sent the request, so every field is checked before anything
+connects anywhere: a host that is not a host name or address, ids that are too long or
+hold control characters, negative or absurd counts are refused with the field named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvshare_connector.transfer.protocol import MAX_BLOCK_IDS_PER_MESSAGE, MAX_ID_CHARS, MAX_TP
+
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9])?"
+    r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9])?)*\.?$"
+)
+_PRINTABLE = re.compile(r"^[\x21-\x7e]+$")  # visible ASCII, no spaces or control characters
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+MAX_TOKENS = 1 << 24  # a prompt length beyond any model's context
+
+
+class KVTransferParamsError(ValueError):
+    """Malformed ``kv_transfer_params`` of a request."""
+
+
+class RemotePrefillParams(msgspec.Struct, kw_only=True):
+    """What a decode request must carry to read its KV from a prefill engine."""
+
+    do_remote_prefill: bool
+    remote_block_ids: list[list[int]]
+    remote_engine_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    do_remote_decode: bool = False
+    tp_size: int = 1
+    remote_num_tokens: int | None = None
+    # The prompt prefill computed (absent from proxies and prefills of elsewhere).
+    remote_prompt_tokens: int | None = None
+    remote_prompt_digest: str | None = None
+
+
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """SHA-256 of the prompt's token ids (int64 little-endian): what decode checks its own
+    prompt against, so KV computed for another prompt is never loaded."""
+    h = hashlib.sha256(b"kvshare-prompt-v1\0")
+    h.update(np.asarray(token_ids, dtype="<i8").tobytes())
+    return h.hexdigest()
+
+
+def prompt_mismatch(params: RemotePrefillParams, token_ids: Sequence[int] | None) -> str | None:
+    """Why decode's prompt is not the one prefill computed, or None (also when prefill
+    did not say: a proxy or prefill from elsewhere)."""
+    if params.remote_prompt_digest is None:
+        return None
+    ids = list(token_ids or ())
+    if params.remote_prompt_tokens is not None and params.remote_prompt_tokens != len(ids):
+        return (
+            f"the prompt is not the one prefill computed: prefill had "
+            f"{params.remote_prompt_tokens} prompt tokens, this request has {len(ids)}"
+        )
+    if prompt_digest(ids) != params.remote_prompt_digest:
+        return (
+            f"the prompt is not the one prefill computed: digest of the prompt's "
+            f"{len(ids)} token ids differs from prefill's"
+        )
+    return None
+
+
+def kv_transfer_params(
+    *,
+    remote_block_ids: Sequence[Sequence[int]],
+    remote_engine_id: str,
+    remote_request_id: str,
+    remote_host: str,
+    remote_port: int,
+    remote_num_tokens: int | None,
+    tp_size: int = 1,
+    prompt_token_ids: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """The ``kv_transfer_params`` prefill returns for decode (the one place they are built)."""
+    prompt = list(prompt_token_ids) if prompt_token_ids is not None else None
+    return msgspec.to_builtins(
+        RemotePrefillParams(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_block_ids=[list(ids) for ids in remote_block_ids],
+            remote_engine_id=remote_engine_id,
+            remote_request_id=remote_request_id,
+            remote_host=remote_host,
+            remote_port=remote_port,
+            tp_size=tp_size,
+            remote_num_tokens=remote_num_tokens,
+            remote_prompt_tokens=len(prompt) if prompt is not None else None,
+            remote_prompt_digest=prompt_digest(prompt) if prompt is not None else None,
+        )
+    )
+
+
+def remote_prefill_params(params: Any) -> RemotePrefillParams:
+    """Validate a decode request's kv_transfer_params (vLLM NixlConnector names)."""
+    if not isinstance(params, dict):
+        raise KVTransferParamsError(
+            f"kv_transfer_params must be an object, got {type(params).__name__}"
+        )
+    try:
+        parsed = msgspec.convert(
+            {k: v for k, v in params.items() if k in RemotePrefillParams.__struct_fields__},
+            RemotePrefillParams,
+            strict=True,
+        )
+    except msgspec.ValidationError as exc:
+        raise KVTransferParamsError(f"kv_transfer_params: {exc}") from exc
+    if not 0 < parsed.remote_port < 65536:
+        raise KVTransferParamsError(
+            f"kv_transfer_params: remote_port {parsed.remote_port} out of range"
+        )
+    if not 1 <= parsed.tp_size <= MAX_TP or parsed.remote_port + parsed.tp_size > 65536:
+        raise KVTransferParamsError(
+            f"kv_transfer_params: tp_size {parsed.tp_size} out of range [1, {MAX_TP}] (prefill "
+            f"rank r serves on remote_port + r)"
+        )
+    for group, ids in enumerate(parsed.remote_block_ids):
+        if any(b < 0 for b in ids):
+            raise KVTransferParamsError(
+                f"kv_transfer_params: negative block id {min(ids)} - at "
+                f"`$.remote_block_ids[{group}]`"
+            )
+    _check_fields(parsed)
+    return parsed
+
+
+def valid_host(host: str) -> bool:
+    """A host name or an IP address (what a side channel can be reached at)."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return bool(_HOSTNAME.match(host))
+
+
+def _check_fields(p: RemotePrefillParams) -> None:
+    """Refuse what no prefill of ours sends, naming the field."""
+
+    def bad(field: str, why: str) -> KVTransferParamsError:
+        return KVTransferParamsError(f"kv_transfer_params: {why} - at `$.{field}`")
+
+    if not valid_host(p.remote_host):
+        raise bad("remote_host", f"not a host name or IP address: {p.remote_host[:80]!r}")
+    for name in ("remote_engine_id", "remote_request_id"):
+        value = getattr(p, name)
+        if not 0 < len(value) <= MAX_ID_CHARS:
+            raise bad(name, f"length {len(value)} not in [1, {MAX_ID_CHARS}]")
+        if not _PRINTABLE.match(value):
+            raise bad(name, f"holds spaces or control characters: {value[:80]!r}")
+    blocks = sum(len(ids) for ids in p.remote_block_ids)
+    if blocks > MAX_BLOCK_IDS_PER_MESSAGE:
+        raise bad("remote_block_ids", f"{blocks} block ids (at most {MAX_BLOCK_IDS_PER_MESSAGE})")
+    for name in ("remote_num_tokens", "remote_prompt_tokens"):
+        value = getattr(p, name)
+        if value is not None and not 0 <= value <= MAX_TOKENS:
+            raise bad(name, f"{value} not in [0, {MAX_TOKENS}]")
+    digest = p.remote_prompt_digest
+    if digest is not None and not _DIGEST.match(digest):
+        raise bad("remote_prompt_digest", "not a SHA-256 hex digest")

@@ -1,0 +1,218 @@
+"""The lane probe: after a handshake, decode READs a known pattern from prefill, checks every
+byte and measures the lane before any request's KV moves.
+
+Prefill registers a small buffer on the KV's device filled with a pattern from a seed
+(``ProbeBuffer``) and names it in its handshake reply; decode reads it into its own buffer
+once to wire the connection up, then ``TIMED_READS`` times, compares the bytes with the
+pattern and reports the median GB/s (``LaneProbe``). One READ of one large descriptor:
+what a packed request is (the staging area is plain device memory, as this buffer is).
+torch is imported lazily: the transfer layer stays importable without it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from kvshare_connector.common.log import get_logger
+from kvshare_connector.layout.topology import Region
+from kvshare_connector.transfer import protocol
+from kvshare_connector.transfer.lanes import Verdict, is_local_host, verdict
+from kvshare_connector.transfer.nixl import NixlTransport, TransportError
+from kvshare_connector.transfer.records import LaneReport
+
+logger = get_logger(__name__)
+
+DEFAULT_PROBE_MIB = 8
+TIMED_READS = 3
+SPIN_S = 0.25  # a timed READ is watched this long on the engine thread (once per peer)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # as int64
+
+
+class ProbeError(TransportError):
+    """The probe READ failed or brought other bytes than prefill's pattern."""
+
+
+class ProbeBuffer:
+    """A registered buffer on ``device``: prefill's holds the pattern, decode's receives it."""
+
+    def __init__(self, nbytes: int, device: Any, seed: int | None = None):
+        import torch
+
+        self.nbytes = (nbytes // 8) * 8
+        self.device = torch.device(device)
+        self.tensor = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
+        self.seed = seed
+        if seed is not None:
+            self.tensor.view(torch.int64).copy_(self._pattern(seed))
+
+    def _pattern(self, seed: int) -> Any:
+        import torch
+
+        words = torch.arange(self.nbytes // 8, dtype=torch.int64, device=self.device)
+        return words * _GOLDEN + seed  # wraps modulo 2**64: every word differs
+
+    @property
+    def region(self) -> Region:
+        device_id = -1 if self.device.type == "cpu" else self.device.index or 0
+        return Region(int(self.tensor.data_ptr()), self.nbytes, device_id)
+
+    def holds(self, seed: int, nbytes: int) -> bool:
+        """The first ``nbytes`` are the pattern of ``seed`` (what prefill filled)."""
+        import torch
+
+        words = nbytes // 8
+        return bool(torch.equal(self.tensor.view(torch.int64)[:words], self._pattern(seed)[:words]))
+
+    def clear(self) -> None:
+        self.tensor.zero_()
+
+
+class LaneProbe:
+    """Drives one peer's probe on the engine thread: ``advance()`` until it returns a report.
+
+    The first READ wires UCX up (it may take several engine steps: it is polled, not
+    waited for); each timed READ is watched for up to ``SPIN_S`` so its time is the
+    wire's, not an engine step's.
+    """
+
+    def __init__(
+        self,
+        transport: NixlTransport,
+        local: ProbeBuffer,
+        agent: str,
+        remote: Region,
+        seed: int,
+        peer: str,
+        address: str,
+        same_host: bool,
+        remote_kind: str,
+    ):
+        self.transport = transport
+        self.local = local
+        self.agent = agent
+        self.nbytes = min(local.nbytes, remote.nbytes)
+        self.remote = remote
+        self.seed = seed
+        self.peer, self.address, self.same_host = peer, address, same_host
+        self.remote_kind = remote_kind
+        self._handle: Any = None
+        self._posted = 0.0
+        self._times: list[float] = []
+        self._warm = False
+
+    def _post(self) -> None:
+        local = self.local.region
+        rows_local = np.asarray([[local.addr, self.nbytes, max(local.device_id, 0)]], np.int64)
+        rows_remote = np.asarray(
+            [[self.remote.addr, self.nbytes, max(self.remote.device_id, 0)]], np.int64
+        )
+        self._posted = time.perf_counter()
+        self._handle = self.transport.read(
+            self.agent, rows_local, local.mem_kind, rows_remote, self.remote_kind, b""
+        )
+
+    def advance(self) -> LaneReport | None:
+        """Move the probe on; the report once the timed READs are done and checked."""
+        if self._handle is None:
+            self.local.clear()
+            self._post()
+        deadline = time.perf_counter() + (SPIN_S if self._warm else 0.0)
+        state = self.transport.state(self._handle)
+        while state == "PROC" and time.perf_counter() < deadline:
+            state = self.transport.state(self._handle)
+        if state == "PROC":
+            return None
+        elapsed = time.perf_counter() - self._posted
+        self.transport.release(self._handle)
+        self._handle = None
+        if state != "DONE":
+            raise ProbeError(f"the lane probe READ from {self.peer} at {self.address} failed")
+        if not self._warm:
+            self._warm = True
+            return None
+        self._times.append(elapsed)
+        if len(self._times) < TIMED_READS:
+            return None
+        if not self.local.holds(self.seed, self.nbytes):
+            raise ProbeError(
+                f"the lane probe READ from {self.peer} at {self.address} brought other bytes "
+                "than prefill's pattern: the transport is not moving KV correctly"
+            )
+        seconds = statistics.median(self._times)
+        gbps = self.nbytes / seconds / 1e9
+        found: Verdict = verdict(self.local.region.mem_kind, self.remote_kind, gbps, self.same_host)
+        return LaneReport(
+            self.peer, self.address, self.nbytes, seconds, gbps, found.lane, found.slow, found.fix
+        )
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self.transport.release(self._handle)
+            self._handle = None
+
+
+class Lanes:
+    """Decode's lane probes, one per prefill agent: ``ready(peer)`` is True once that
+    prefill's lane is measured (or cannot be: no probe buffer on either side)."""
+
+    def __init__(self, transport: NixlTransport, buffer: ProbeBuffer | None):
+        self.transport = transport
+        self.buffer = buffer
+        self._probes: dict[str, LaneProbe] = {}  # prefill agent -> its probe in flight
+        self._measured: dict[str, LaneReport | None] = {}  # prefill agent -> its lane
+        self._new: list[LaneReport] = []  # measured since the last ``take``
+
+    def ready(self, peer: Any, host: str, port: int) -> bool:
+        """``peer`` (a ``transfer.peers.Peer``) has its lane measured; ``ProbeError`` if its
+        probe READ failed or brought wrong bytes."""
+        if peer.agent in self._measured:
+            return True
+        ref: protocol.ProbeRef | None = peer.probe
+        if self.buffer is None or ref is None:
+            self._measured[peer.agent] = None
+            return True
+        probe = self._probes.get(peer.agent)
+        if probe is None:
+            remote = Region(ref.addr, ref.nbytes, ref.device_id)
+            probe = LaneProbe(
+                self.transport, self.buffer, peer.agent, remote, ref.seed, peer.engine_id,
+                f"{host}:{port}", is_local_host(host), remote.mem_kind,
+            )  # fmt: skip
+            self._probes[peer.agent] = probe
+        try:
+            report = probe.advance()
+        except Exception:
+            probe.cancel()
+            del self._probes[peer.agent]
+            raise
+        if report is None:
+            return False
+        del self._probes[peer.agent]
+        self._measured[peer.agent] = report
+        self._new.append(report)
+        log_lane(report, ref)
+        return True
+
+    def take(self) -> list[LaneReport]:
+        new, self._new = self._new, []
+        return new
+
+
+def log_lane(report: LaneReport, ref: protocol.ProbeRef) -> None:
+    """One line per measured lane; a warning with the fix when it is the slow one."""
+    line = (
+        f"KV lane from prefill {report.peer} at {report.address}: {report.lane}, "
+        f"{report.gbps:.1f} GB/s (probe READ of {report.nbytes / 2**20:.0f} MiB, "
+        f"{report.seconds * 1e6:.0f} us, bytes verified; prefill UCX "
+        f"{ref.ucx or 'defaults'})"
+    )
+    if ref.kv_ipc_capable is False:
+        line += "; prefill's KV is VMM memory: its block-by-block reads need UCX_RMA_PPLN_ENABLE=y"
+    if report.slow:
+        logger.warning("%s: SLOW lane, every READ will crawl: %s", line, report.fix)
+    else:
+        logger.info("%s", line)

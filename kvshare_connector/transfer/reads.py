@@ -1,0 +1,98 @@
+"""A decode read's explicit phases and the record each phase adds.
+
+PEER: waiting for prefill's handshake and lane probe. CLAIM: the ``Plan`` is made (which
+blocks pair, the descriptors) and prefill is asked to keep the blocks for this reader; its
+answer is the ``Grant``. READ: the ``Transfer`` is posted to NIXL; once done it is scattered
+(packed) and verified (``verify_kv``), and the read ends done, or failed at any phase.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvshare_connector.layout.staging import PackedRead
+from kvshare_connector.layout.topology import BlockIds
+from kvshare_connector.transfer import kv_params, protocol
+
+
+class Phase(enum.Enum):
+    PEER = "peer"  # waiting for prefill's handshake and lane probe
+    CLAIM = "claim"  # asked prefill to keep the blocks for this reader
+    READ = "read"  # READ posted to NIXL
+
+
+@dataclass(frozen=True)
+class ReadOrder:
+    """Read ``params.remote_block_ids`` into ``local_ids`` (per group)."""
+
+    request_id: str
+    params: kv_params.RemotePrefillParams
+    local_ids: BlockIds
+    num_tokens: int | None = None  # decode's prompt length (None: a tool, counts unknown)
+    num_local_tokens: int = 0  # of which decode had cached locally
+    token: str = field(default_factory=lambda: secrets.token_hex(16))  # claim token
+    readers: int = 1  # TP: decode ranks that read this request from this prefill rank
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the read moves, decided once the peer is known (before the claim: block ids
+    out of range fail here, not at prefill)."""
+
+    local_ids: list[list[int]]  # decode's blocks, paired with ``remote_ids``
+    remote_ids: list[list[int]]
+    rows: tuple[np.ndarray, np.ndarray]  # (local, remote) block-by-block descriptors
+    blocks: int
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Prefill's answer to the claim."""
+
+    packed: protocol.PackedRef | None  # where prefill packed the request, if it did
+    digests: protocol.KVDigests | None  # prefill's, when verifying
+    held_s: float | None  # how long prefill held it before the claim came
+
+
+@dataclass
+class Transfer:
+    """The READ in flight."""
+
+    handle: Any
+    started: float
+    nbytes: int
+    descriptors: int
+    slot: int | None = None  # our staging slot, while a packed read uses it
+    packed: PackedRead | None = None  # packed: what to READ and then copy out of the slot
+
+
+@dataclass
+class Read:
+    order: ReadOrder
+    phase: Phase = Phase.PEER
+    created: float = field(default_factory=time.monotonic)
+    plan: Plan | None = None
+    claim: Future[protocol.ClaimReply] | None = None  # the claim's answer, while asked
+    next_claim: float = 0.0  # "not held yet": ask again from then
+    grant: Grant | None = None
+    transfer: Transfer | None = None
+    verified: int = 0
+    marks: dict[str, float] = field(default_factory=dict)  # phase -> s since created
+
+    @property
+    def request_id(self) -> str:
+        return self.order.request_id
+
+    @property
+    def local_read(self) -> list[list[int]] | None:
+        return self.plan.local_ids if self.plan is not None else None
+
+    def mark(self, phase: str) -> None:
+        self.marks[phase] = round(time.monotonic() - self.created, 6)

@@ -1,0 +1,55 @@
+"""What the transfer layer reports upward: finished reads with their timeline, measured
+lanes, and one poll's progress. Plain frozen records: the backend and the vLLM layer read
+them, stats and the read log serialise them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# A read's phases, in order (``TransferRecord.timeline``: seconds since the order came):
+# claimed: prefill answered the claim (lease extended, packed slot and digests named);
+# posted: the READ was handed to NIXL; landed: its bytes are in decode's blocks (after
+# the scatter, when packed); verified: decode's digests matched prefill's (verify_kv);
+# reported: the engine learned the load is done (the poll that returned it).
+PHASES = ("claimed", "posted", "landed", "verified", "reported")
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    """One finished read, for stats and the read log."""
+
+    request_id: str
+    bytes: int
+    descriptors: int
+    blocks: int
+    seconds: float  # posted -> bytes in place (the scatter included when packed)
+    packed: bool = False  # moved as a few large runs through the staging areas
+    verified: int = 0  # layer-blocks whose digest matched prefill's (``verify_kv``)
+    # prefill held the request this long before decode's claim reached it (None: unknown)
+    prefill_held_s: float | None = None
+    timeline: dict[str, float] = field(default_factory=dict)  # phase -> s since the order
+
+
+@dataclass(frozen=True)
+class LaneReport:
+    """One prefill's lane probe: what a READ of ``nbytes`` took, and the lane that took it."""
+
+    peer: str  # prefill engine id
+    address: str  # host:port of its side channel
+    nbytes: int
+    seconds: float  # median of the timed READs, posted -> seen done
+    gbps: float
+    lane: str
+    slow: bool
+    fix: str | None
+
+
+@dataclass(frozen=True)
+class SinkProgress:
+    """What decode's reads did since the last poll."""
+
+    done: set[str] = field(default_factory=set)
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> reason
+    records: list[TransferRecord] = field(default_factory=list)
+    lanes: list[LaneReport] = field(default_factory=list)
+    counters: dict[str, int] = field(default_factory=dict)  # verify_failures

@@ -1,0 +1,95 @@
+"""``kv_connector_extra_config`` parsed once into ``ConnectorOptions``: defaults, environment
+variables, strict types naming the option, unknown keys warned about."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+
+from kvshare_connector.backends.options import ConnectorOptions, OptionError
+
+
+def test_defaults():
+    o = ConnectorOptions.parse(None, environ={})
+    assert o.backend == "nixl" and o.kv_lease_duration == 30.0 and o.verify_kv is False
+    assert o.staging_bytes == 512 << 20 and o.lane_probe_bytes == 8 << 20
+    assert o.secret is None and o.allowed_prefills is None and o.ucx_lane == "auto"
+    assert o.nixl_progress_thread is True and o.cross_layer_blocks is None
+
+
+def test_every_option_is_read_from_the_extra_config():
+    extra = {
+        "backend": "lmcache", "kv_lease_duration": "12.5", "handshake_timeout_s": 3,
+        "transfer_timeout_s": 9, "cross_layer_blocks": "false", "staging_mib": 0,
+        "verify_kv": True, "side_channel_secret": "s3cret", "side_channel_insecure": "1",
+        "allowed_prefills": ["10.0.0.1", "10.0.0.2:5600"], "ucx_lane": "off",
+        "lane_probe_mib": 0.5, "nixl_progress_thread": False, "read_log": "/tmp/reads.jsonl",
+        "lmcache": {"remote_url": "lm://h:1"},
+    }  # fmt: skip
+    o = ConnectorOptions.parse(extra, environ={})
+    assert set(extra) == {f.name for f in dataclasses.fields(ConnectorOptions)}
+    assert o.kv_lease_duration == 12.5 and o.cross_layer_blocks is False
+    assert o.staging_bytes == 0 and o.verify_kv and o.secret == b"s3cret"
+    assert o.side_channel_insecure and o.allowed_prefills == ("10.0.0.1", "10.0.0.2:5600")
+    assert o.ucx_lane == "off" and o.lane_probe_bytes == 1 << 19
+    assert not o.nixl_progress_thread and o.read_log == "/tmp/reads.jsonl"
+    assert o.lmcache == {"remote_url": "lm://h:1"} and o.backend == "lmcache"
+
+
+def test_environment_variables_and_the_extra_config_wins():
+    environ = {
+        "KVSHARE_SIDE_CHANNEL_SECRET": "from-env", "KVSHARE_SIDE_CHANNEL_INSECURE": "1",
+        "KVSHARE_NIXL_PROGRESS_THREAD": "0", "KVSHARE_UCX_LANE": "off",
+    }  # fmt: skip
+    o = ConnectorOptions.parse({}, environ=environ)
+    assert o.secret == b"from-env" and o.side_channel_insecure
+    assert not o.nixl_progress_thread and o.ucx_lane == "off"
+    o = ConnectorOptions.parse({"side_channel_secret": "mine", "ucx_lane": "auto"}, environ)
+    assert o.secret == b"mine" and o.ucx_lane == "auto"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"verify_kv": "yes please"}, "kv_connector_extra_config.verify_kv must be true or false"),
+        ({"kv_lease_duration": 0}, "kv_lease_duration must be greater than 0"),
+        ({"handshake_timeout_s": "soon"}, "handshake_timeout_s must be a number"),
+        ({"staging_mib": -1}, "staging_mib must be 0 or more"),
+        ({"transfer_timeout_s": float("nan")}, "transfer_timeout_s must be greater than 0"),
+        ({"ucx_lane": "fast"}, "ucx_lane must be one of ('auto', 'off')"),
+        ({"allowed_prefills": [""]}, "allowed_prefills must be a list of host or host:port"),
+        ({"allowed_prefills": 5}, "allowed_prefills must be a list"),
+        ({"lmcache": "lm://h:1"}, "lmcache must be an object"),
+        ({"read_log": 3}, "read_log must be a string"),
+        ({"backend": 1}, "backend must be a backend name"),
+    ],
+)
+def test_a_wrong_value_names_the_option(extra, message):
+    with pytest.raises(OptionError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ConnectorOptions.parse(extra, environ={})
+
+
+def test_a_wrong_environment_value_names_the_variable():
+    with pytest.raises(OptionError, match="KVSHARE_NIXL_PROGRESS_THREAD must be true or false"):
+        ConnectorOptions.parse({}, environ={"KVSHARE_NIXL_PROGRESS_THREAD": "maybe"})
+
+
+def test_an_unknown_key_is_warned_about_with_a_guess(caplog):
+    with caplog.at_level(logging.WARNING, logger="vllm.kvshare"):
+        o = ConnectorOptions.parse({"verify_kvv": True, "backends": ["UCX"]}, environ={})
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "unknown option 'verify_kvv' ignored (did you mean 'verify_kv'?)" in text
+    assert "unknown option 'backends' ignored (did you mean 'backend'?)" in text
+    assert o == ConnectorOptions()
+
+
+def test_the_option_table_covers_every_field():
+    rows = ConnectorOptions().table()
+    assert [r[0] for r in rows] == [f.name for f in dataclasses.fields(ConnectorOptions)]
+    assert all(help_text for *_, help_text in rows)
+    assert ("kv_lease_duration", "30", "", rows[1][3]) == rows[1]
+    assert rows[[r[0] for r in rows].index("side_channel_secret")][2] == (
+        "KVSHARE_SIDE_CHANNEL_SECRET"
+    )
