@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The fast lane on one GPU host (issue 21): the UCX lane the connector picks by itself, KV
+# byte-exact with it, and serving against NixlConnector (given the same UCX settings) and a
+# colocated engine. No UCX_* variable is set here: what the product chooses is measured.
+#
+#   OUT=/path bash benchmarks/gpu/fast_lane.sh STEP...      (after bash .gpu/bin/install.sh)
+#
+# Steps (each fits one device call of <= 600 s):
+#   lane     kvshare lane with the connector's choice, and with UCX's defaults (the slow
+#            control, exit 1); bench_nixl_read: whether UCX_RMA_PPLN_ENABLE=y costs plain
+#            cudaMalloc memory anything next to cuda_ipc zero-copy, and what it gives VMM
+#   kvx      kv_exact e2b/plain, prefill and decode on GPU 0, verify_kv on (byte-exact KV,
+#            scrambled and tampered controls), with the lane the connector chose
+#   serve2k  vllm serve + vllm bench serve: ours (packed), NixlConnector, colocated; 2k in,
+#            concurrency 16, 3 rounds rotated, all up at once; read timelines kept
+#   serve8k  the same at 8k (48 prompts per round)
+set -u
+OUT=${OUT:?set OUT}
+mkdir -p "$OUT"
+. .gpu/bin/env.sh
+unset UCX_CUDA_IPC_ENABLE_GET_ZCOPY UCX_RMA_PPLN_ENABLE
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+WEIGHTS=/tmp/kvshare-weights
+E2B="$WEIGHTS/gemma4_e2b_shape-seed0"
+nvidia-smi -L > "$OUT/gpu.txt" 2>&1
+
+weights() {
+  [ -f "$E2B/kvshare-weights.json" ] || python3 benchmarks/gpu/random_weights.py make \
+    --model gemma4_e2b_shape --dest "$WEIGHTS" > "$OUT/weights.log" 2>&1
+}
+
+serve() {  # LEN PROMPTS NAME
+  weights
+  python3 benchmarks/gpu/bench_serving.py --model-dir "$E2B" --out "$OUT/$3" \
+    --deployments ours nixl colocated --prefill-gpu 0 --decode-gpu 0 --colocated-gpu 0 \
+    --gpu-mem 0.13 --kv-cache-gib 5 --input-len "$1" --concurrency 16 --num-prompts "$2" \
+    --output-len 64 --rounds 3 --warmup-requests 4 --time-budget 500 --grace 10 --keep-raw \
+    > "$OUT/$3.log" 2>&1
+  echo "$3: exit $?"
+}
+
+for step in "$@"; do
+  case "$step" in
+    lane)
+      python3 -m kvshare_connector.toolkit.cli lane --json > "$OUT/lane.json" 2> "$OUT/lane.err"
+      echo "lane (connector's choice): exit $?"
+      python3 -m kvshare_connector.toolkit.cli lane --ucx-lane off --json > "$OUT/lane_off.json" \
+        2> "$OUT/lane_off.err"
+      echo "lane (UCX defaults, the control): exit $?"
+      python3 benchmarks/gpu/bench_nixl_read.py --mode gpu --target-visible 0 \
+        --initiator-visible 0 --total-mib 256 --desc-kib 64 16384 --iters 3 \
+        --json "$OUT/nixl_read.json" --sweep-env UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y \
+        UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y+UCX_RMA_PPLN_ENABLE=y \
+        alloc=vmm+UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y+UCX_RMA_PPLN_ENABLE=y \
+        > "$OUT/nixl_read.log" 2>&1
+      echo "nixl_read: exit $?"
+      ;;
+    kvx)
+      weights
+      python3 benchmarks/gpu/kv_exact.py run --out "$OUT/kvx" --cells e2b/plain --gpus 1 \
+        --verify --timeout 420 > "$OUT/kvx.log" 2>&1
+      echo "kvx: exit $?"
+      ;;
+    serve2k) serve 2048 64 serve2k ;;
+    serve8k) serve 8192 48 serve8k ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done
