@@ -116,7 +116,10 @@ def test_a_signed_hello_relayed_by_a_third_party_gets_no_metadata(target):
 def test_oversize_messages_are_refused_unread_and_memory_stays_bounded(target):
     target.stats()
     with attacks.Watch(target) as watch:
-        assert set(attacks.attack_oversize(target, 20)) == {"oversize"}
+        # Answered, or closed unanswered once this address spent its refusal budget (an
+        # earlier attack from 127.0.0.1 may have): counted either way.
+        oversize = attacks.attack_oversize(target, 20)
+        assert set(oversize) <= {"oversize", None} and "oversize" in oversize
         codes = attacks.attack_big_bodies(target, rounds=8, connections=12)
     assert set(codes) <= {"unauthenticated", "overloaded", "closed"} and "unauthenticated" in codes
     assert watch.growth <= 64 * MIB, f"RSS grew {watch.growth / MIB:.0f} MiB"
@@ -127,13 +130,15 @@ def test_oversize_messages_are_refused_unread_and_memory_stays_bounded(target):
 
 
 def test_a_flood_of_large_unauthenticated_claims_costs_bounded_memory(target):
-    target.stats()
+    before = target.stats()
     with attacks.Watch(target) as watch:
         codes = attacks.attack_claim_flood(target, rounds=200)
     assert set(codes) <= {"unauthenticated", "overloaded", "closed"} and "unauthenticated" in codes
     assert watch.growth <= 64 * MIB, f"RSS grew {watch.growth / MIB:.0f} MiB"
     stats = target.stats()
-    assert stats["early"] == 0 and stats["refused_claims"] == 0  # nothing reached the source
+    # Nothing reached the source: no claim refused there, no state added.
+    assert stats["refused_claims"] == 0 and stats["early"] == before["early"]
+    assert stats["held"] == before["held"]
 
 
 def test_claims_that_name_no_or_other_blocks_cannot_steal_a_request(target):
@@ -162,7 +167,7 @@ def test_releases_of_unknown_ids_and_long_reasons_stay_bounded(target):
     """Pre-releases of guessed ids are remembered at most ``EARLY_MEMORY`` (oldest first);
     an over-long reason is refused before anything is logged."""
     target.stats()
-    stderr_before = target.stderr_bytes
+    stderr_before = target.log_bytes
     codes = attacks.attack_release_flood(target, rounds=40)  # 10,240 guessed ids
     assert set(codes) == {"ok"}
     long = attacks.attack_long_reason(target, rounds=20)
@@ -170,7 +175,7 @@ def test_releases_of_unknown_ids_and_long_reasons_stay_bounded(target):
     stats = target.stats()
     assert stats["early"] == EARLY_MEMORY
     assert stats["refused_messages"] == 20
-    assert target.stderr_bytes - stderr_before <= 1 * MIB
+    assert target.log_bytes - stderr_before <= 1 * MIB
 
 
 def test_a_hello_flood_from_the_decodes_address_does_not_starve_the_decode(target):

@@ -34,7 +34,7 @@ serve() {  # LEN PROMPTS NAME
   python3 benchmarks/gpu/bench_serving.py --model-dir "$E2B" --out "$OUT/$3" \
     --deployments ours nixl colocated --prefill-gpu 0 --decode-gpu 0 --colocated-gpu 0 \
     --gpu-mem 0.13 --kv-cache-gib 5 --input-len "$1" --concurrency 16 --num-prompts "$2" \
-    --output-len 64 --rounds 3 --warmup-requests 4 --time-budget 500 --grace 10 --keep-raw \
+    --output-len 64 --rounds 3 --warmup-requests 4 --time-budget "${TIME_BUDGET:-330}" --grace 10 --keep-raw \
     > "$OUT/$3.log" 2>&1
   echo "$3: exit $?"
 }

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -32,7 +33,9 @@ def _device(text: str) -> str:
 
 
 def _start_side(device: str, mib: float, mode: str, seed: int | None) -> tuple[Any, Any, Any]:
-    """This process's lane settings, NIXL agent and probe buffer (prefill's holds ``seed``)."""
+    """This process's lane settings, NIXL agent and probe buffer (prefill's holds ``seed``).
+    The child's stdout goes to stderr: NIXL logs there, and ``--json`` keeps stdout clean."""
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     import torch
 
     from kvshare_connector.transfer import lanes

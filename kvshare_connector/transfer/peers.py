@@ -26,7 +26,7 @@ from kvshare_connector.layout.topology import KVTopology
 from kvshare_connector.transfer import protocol
 from kvshare_connector.transfer.nixl import NixlTransport
 from kvshare_connector.transfer.settings import EngineSettings
-from kvshare_connector.transfer.side_channel import SideChannelError, SideChannelRefused, ask
+from kvshare_connector.transfer.side_channel import SideChannelError, ask_retrying
 
 logger = get_logger(__name__)
 
@@ -108,19 +108,11 @@ class Peers:
         """One request/reply with prefill ``engine_id`` at ``key`` (on the caller's thread),
         decoded. A prefill that answers "busy" is asked again (with backoff, within the
         timeout): it is alive, and a refusal for rate is no reason to drop it."""
-        deadline = time.monotonic() + self.timeout_s
-        payload, pause = protocol.encode(message), 0.005
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                raw = ask(key[0], key[1], payload, left, self.settings.secret, engine_id)
-            except SideChannelRefused as exc:
-                if not exc.busy or time.monotonic() + pause >= deadline:
-                    raise
-                time.sleep(pause)
-                pause = min(pause * 2, 0.2)
-                continue
-            return protocol.decode(raw)
+        payload = protocol.encode(message)
+        raw = ask_retrying(
+            key[0], key[1], payload, self.timeout_s, self.settings.secret, engine_id
+        )
+        return protocol.decode(raw)
 
     def known(self, key: Key, engine_id: str) -> Peer | None:
         """The handshaken peer at ``key`` if it is ``engine_id`` (no side effects)."""

@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import hmac
 import ipaddress
+import logging
 import secrets
 import socket
 import struct
@@ -61,7 +62,15 @@ BUSY = ("busy", "overloaded")  # refusals a client retries: the peer is alive
 
 
 class SideChannelError(ConnectionError):
-    """The peer could not be reached, did not answer in time, or answered unauthenticated."""
+    """The peer could not be reached, did not answer in time, or answered unauthenticated.
+    ``retryable``: it reset the connection before answering (a server over its connection
+    cap closes without reading): alive, worth asking again."""
+
+    retryable = False
+
+
+class SideChannelReset(SideChannelError):
+    retryable = True
 
 
 class SideChannelRefused(SideChannelError):
@@ -205,25 +214,27 @@ class _Buckets:
 
 
 class LogBudget:
-    """At most ``lines`` refusal lines per window; the rest are counted and summed up."""
+    """At most ``lines`` lines per window (at ``level``); the rest are counted and summed
+    up, so no peer can make the engine log without bound."""
 
-    def __init__(self, lines: int, window_s: float):
-        self.lines, self.window_s = lines, window_s
+    def __init__(self, lines: int, window_s: float, level: int = logging.WARNING):
+        self.lines, self.window_s, self.level = lines, window_s, level
         self._start, self._used, self._suppressed = time.monotonic(), 0, 0
 
     def log(self, message: str) -> None:
         now = time.monotonic()
         if now - self._start > self.window_s:
             if self._suppressed:
-                logger.warning(
-                    "side channel: %d more refusal(s) not logged in the last %.0f s",
+                logger.log(
+                    self.level,
+                    "side channel: %d more line(s) like these not logged in the last %.0f s",
                     self._suppressed,
                     now - self._start,
                 )
             self._start, self._used, self._suppressed = now, 0, 0
         if self._used < self.lines:
             self._used += 1
-            logger.warning("side channel: %s", message[:MAX_REFUSAL_CHARS])
+            logger.log(self.level, "side channel: %s", message[:MAX_REFUSAL_CHARS])
         else:
             self._suppressed += 1
 
@@ -324,6 +335,7 @@ class SideChannelServer:
             if reply is not None:  # a last refusal, after which the stream is not trusted
                 writer.write(reply)
                 await asyncio.wait_for(writer.drain(), limits.request_s)
+                await self._drain_and_close(reader, writer)
         except (ConnectionError, TimeoutError, asyncio.CancelledError):
             pass  # the peer went away, stalled, or the server is closing
         finally:
@@ -331,6 +343,25 @@ class SideChannelServer:
             if not self._connections[address]:
                 del self._connections[address]
             writer.close()
+
+    @staticmethod
+    async def _drain_and_close(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """Close after a refusal so that the peer gets it: closing with its unread bytes
+        still here would reset the connection and lose the reply. So: end our side, then
+        read and drop what it sends (at most 1 MiB, for at most half a second)."""
+        if writer.can_write_eof():
+            writer.write_eof()
+        deadline = asyncio.get_running_loop().time() + 0.5
+        dropped = 0
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            while dropped < (1 << 20):
+                left = deadline - asyncio.get_running_loop().time()
+                chunk = await asyncio.wait_for(reader.read(1 << 16), max(left, 0))
+                if not chunk:
+                    break
+                dropped += len(chunk)
 
     async def _requests(
         self, address: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -437,6 +468,10 @@ class SideChannelServer:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+class _Closed(ConnectionError):
+    """The peer closed the connection before the reply was whole."""
+
+
 def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     chunks, got = [], 0
     while got < n:
@@ -446,7 +481,7 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
         sock.settimeout(left)
         chunk = sock.recv(min(n - got, 1 << 20))
         if not chunk:
-            raise ConnectionError("connection closed mid-reply")
+            raise _Closed("connection closed before the whole reply")
         chunks.append(chunk)
         got += len(chunk)
     return b"".join(chunks)
@@ -484,9 +519,11 @@ def ask(
         ) from exc
     except OSError as exc:
         why = exc.strerror or str(exc)
-        raise SideChannelError(
-            f"no answer from the prefill side channel at {host}:{port}: {why}"
-        ) from exc
+        # Reset or closed unanswered: a server over its connection cap (or an address's
+        # refusal budget) closes without reading; ask again. Refused: nobody listens.
+        alive = isinstance(exc, ConnectionResetError | _Closed)
+        kind = SideChannelReset if alive else SideChannelError
+        raise kind(f"no answer from the prefill side channel at {host}:{port}: {why}") from exc
     try:
         reply = _reply_decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -503,3 +540,27 @@ def ask(
             "on prefill?)"
         )
     return reply.payload
+
+
+def ask_retrying(
+    host: str,
+    port: int,
+    payload: bytes,
+    timeout_s: float,
+    secret: bytes | None = None,
+    engine_id: str = "",
+) -> bytes:
+    """``ask``, asking again (with backoff, within ``timeout_s`` in all) while the peer
+    answers ``busy`` or ``overloaded``, or resets the connection unanswered: it is alive,
+    and a refusal for rate is no reason to give up on it (or to evict it)."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.005
+    while True:
+        try:
+            return ask(host, port, payload, deadline - time.monotonic(), secret, engine_id)
+        except SideChannelError as exc:
+            again = exc.busy if isinstance(exc, SideChannelRefused) else exc.retryable
+            if not again or time.monotonic() + pause >= deadline:
+                raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)

@@ -7,6 +7,7 @@ are not thread-safe by default); the side-channel server answers from its own th
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -115,7 +116,8 @@ class KVSource:
         # later): claims for them are answered "gone".
         self._released: OrderedDict[str, None] = OrderedDict()
         self._refused = Counter[str]()  # refused messages / claims the server did not count
-        self._log = LogBudget(20, 10.0)
+        self._log = LogBudget(20, 10.0)  # refusals
+        self._info = LogBudget(20, 10.0, logging.INFO)  # handshakes and releases
         self._warned_unknown_blocks = False
         warn_if_no_secret(settings.secret)
         self.server = SideChannelServer(
@@ -176,7 +178,7 @@ class KVSource:
             return self._error(
                 f"this is engine {self.engine_id!r}, not {message.expect_engine_id[:100]!r}"
             )
-        logger.info("handshake from engine %s", message.engine_id[:100])
+        self._info.log(f"handshake from engine {message.engine_id[:100]}")
         return self._reply
 
     def _claim(self, claim: protocol.Claim) -> protocol.ClaimReply:
@@ -272,12 +274,10 @@ class KVSource:
                     refused[request_id] = "claimed by another reader: only it may free it"
                     self._refused["refused_claims"] += 1
         if gone:
-            logger.info(
-                "decode engine %s gave up on %d request(s) (%s): %s; freeing their blocks",
-                release.engine_id[:100],
-                len(gone),
-                gone[0][:100],
-                release.reason[: protocol.MAX_REASON_CHARS],
+            self._info.log(
+                f"decode engine {release.engine_id[:100]} gave up on {len(gone)} request(s) "
+                f"({gone[0][:100]}): {release.reason[: protocol.MAX_REASON_CHARS]}; freeing "
+                "their blocks"
             )
         return protocol.ClaimReply([], gone, refused)
 

@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""Where a load's time went, from decode read logs (``read_log``): per phase of the read's
+timeline (``transfer/records.py``), and per step between phases, the p50 / p90 / p99 / max
+in milliseconds, as a markdown table.
+
+    python benchmarks/gpu/read_timeline.py RAW/reads/ours-decode0.jsonl [...]
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+PHASES = ("claimed", "posted", "landed", "verified", "reported")
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def rows(records: list[dict]) -> list[tuple[str, list[float]]]:
+    """(label, milliseconds) per phase since the order, per step between phases, and
+    prefill's hold age when the claim came."""
+    moved = [r for r in records if r.get("bytes") and r.get("timeline")]
+    out = []
+    present = [p for p in PHASES if any(p in r["timeline"] for r in moved)]
+    for phase in present:
+        out.append((f"order -> {phase}", [r["timeline"][phase] * 1e3 for r in moved
+                                          if phase in r["timeline"]]))  # fmt: skip
+    for a, b in itertools.pairwise(present):
+        steps = [(r["timeline"][b] - r["timeline"][a]) * 1e3 for r in moved
+                 if a in r["timeline"] and b in r["timeline"]]  # fmt: skip
+        out.append((f"{a} -> {b}", steps))
+    held = [r["prefill_held_s"] * 1e3 for r in moved if r.get("prefill_held_s") is not None]
+    if held:
+        out.append(("prefill held before the claim", held))
+    return [(label, values) for label, values in out if values]
+
+
+def table(records: list[dict]) -> str:
+    lines = ["| span | reads | p50 ms | p90 ms | p99 ms | max ms |", "|---|---|---|---|---|---|"]
+    for label, values in rows(records):
+        lines.append(
+            f"| {label} | {len(values)} | {_pct(values, 0.5):.2f} | {_pct(values, 0.9):.2f} | "
+            f"{_pct(values, 0.99):.2f} | {max(values):.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(paths: list[str]) -> int:
+    records = [json.loads(line) for p in paths for line in Path(p).read_text().splitlines()]
+    print(table(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
