@@ -105,6 +105,15 @@ class ConnectorOptions:
             for f in dataclasses.fields(self)
         ]
 
+    @classmethod
+    def markdown_table(cls) -> str:
+        """The option table of README.md and docs/configuration.md (a test checks both)."""
+        lines = ["| option | default | env | what it does |", "|---|---|---|---|"]
+        for name, default, env, help_text in cls().table():
+            env_cell = f"`{env}`" if env else ""
+            lines.append(f"| `{name}` | {default} | {env_cell} | {help_text} |")
+        return "\n".join(lines)
+
     @property
     def secret(self) -> bytes | None:
         return self.side_channel_secret.encode() if self.side_channel_secret else None

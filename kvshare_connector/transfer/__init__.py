@@ -1,6 +1,8 @@
 """Layer 2, the pull transfer over NIXL, without vLLM.
 
-``protocol``: msgspec wire types (handshake, layout, claims, notifications) and
-``kv_transfer_params``. ``side_channel``: pyzmq request/reply with bounded waits. ``nixl``: a
-thin NIXL agent wrapper. ``source``: prefill's ``KVSource``. ``sink``: decode's ``KVSink``.
+``protocol``: msgspec side-channel messages; ``kv_params``: kv_transfer_params;
+``side_channel``: framed TCP request/reply, authenticated and bounded; ``nixl``: a thin NIXL
+agent wrapper; ``lanes`` and ``probe``: the UCX lane, chosen and measured; ``source``:
+prefill's ``KVSource``; ``sink`` and ``reads``: decode's ``KVSink`` and its reads' phases.
+docs/architecture.md has the whole layer.
 """

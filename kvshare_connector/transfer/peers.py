@@ -89,6 +89,7 @@ class Peers:
         self.retry_s = retry_s
         self.pairing = pairing
         self._links: dict[Key, _Link] = {}
+        self._retired: list[ThreadPoolExecutor] = []  # of evicted peers, joined at close
         self._lock = threading.Lock()  # links are made on the engine thread, asked from others
         self._warned_no_identity = False
 
@@ -230,11 +231,17 @@ class Peers:
             # Asks queued behind a dead peer's timeouts fail now (their futures are
             # cancelled); a fresh thread serves the peer once it is tried again.
             link.executor.shutdown(wait=False, cancel_futures=True)
+            # the last few only: an older one's asks ended long ago (each is bounded)
+            self._retired = [*self._retired[-15:], link.executor]
             link.executor = ThreadPoolExecutor(
                 ASKS_PER_PEER, thread_name_prefix=f"kvshare-{key[1]}"
             )
             link.handshake = None
 
     def close(self) -> None:
+        """Cancel queued asks, then wait for the running ones (each bounded by the
+        side-channel timeout): their threads are gone when this returns."""
         for link in self._links.values():
             link.executor.shutdown(wait=False, cancel_futures=True)
+        for executor in [*self._retired, *(link.executor for link in self._links.values())]:
+            executor.shutdown(wait=True)
