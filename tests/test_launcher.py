@@ -41,6 +41,13 @@ FAKE_CMD = (
 )
 ROOT = Path(__file__).resolve().parent.parent
 
+@pytest.fixture(autouse=True)
+def _no_side_channel_host(monkeypatch):
+    """Plans read VLLM_NIXL_SIDE_CHANNEL_HOST; in-process engine tests set it (vLLM reads it
+    from the environment): each test here starts without it, whatever ran before."""
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_HOST", raising=False)
+
+
 
 def _arg(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]

@@ -76,9 +76,11 @@ def test_dead_prefill_is_evicted_without_delaying_others_and_rejoins(sink, alive
     healthy = alive
     doomed = PeerProcess([source("doomed", port=port)])
     try:
-        # Both handshaken and serving.
+        # Both handshaken and serving. (Both peers ready before either read is queued: a
+        # read's bounds run from when it is queued, and a peer can take long to start.)
+        first = doomed.request("doomed", 0)
         queue(sink, healthy.request("healthy", 0), "h0", 1)
-        queue(sink, doomed.request("doomed", 0), "d0", 2)
+        queue(sink, first, "d0", 2)
         assert [f for _, _, f in run(sink, {"h0", "d0"}, 30)] == [None, None]
 
         doomed.kill()  # SIGKILL: its side channel never answers again

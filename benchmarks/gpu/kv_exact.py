@@ -339,16 +339,7 @@ def check_cell(work: Path, cell: dict[str, Any]) -> dict[str, Any]:
             problems.append(f"tamper: {len(tampered)} of {len(PROMPT_LENS)} loads refused")
         if len(verified) != 2 * len(PROMPT_LENS):
             problems.append(f"verify_kv: {len(verified)} of {2 * len(PROMPT_LENS)} loads verified")
-    for r in requests:
-        bad = r["problems"] + [f"group {g} compared no block" for g in r["groups_without_blocks"]]
-        if r["batch"] == "main":
-            if r["mismatches"] or r["sharer_mismatches"] or not r["blocks_compared"]:
-                bad.append(f"{r['mismatches']} block / {r['sharer_mismatches']} sharer mismatch")
-            if any(r["sharers_missing"].values()):
-                bad.append(f"sharers without a tensor to check: {r['sharers_missing']}")
-        elif r["mismatches"] == 0:
-            bad.append("negative control found no mismatch")
-        problems += [f"{r['batch']} {r['request_id']} ({r['num_tokens']} tokens): {b}" for b in bad]
+    problems += request_problems(requests)
     return {
         "requests": requests,
         "problems": problems,
@@ -360,6 +351,25 @@ def check_cell(work: Path, cell: dict[str, Any]) -> dict[str, Any]:
         "prefill_digest_s": sum(r.get("seconds", 0) for r in prefill.values()),
         "decode_digest_s": sum(r.get("seconds", 0) for r in decoded),
     }
+
+
+def request_problems(requests: list[dict[str, Any]]) -> list[str]:
+    """What is wrong with each compared request: the main batch must match everywhere
+    (every group compared, sharers checked), the negative control must mismatch."""
+    problems = []
+    for r in requests:
+        bad = r["problems"] + [f"group {g} compared no block" for g in r["groups_without_blocks"]]
+        if r["batch"] == "main":
+            if r["mismatches"] or r["sharer_mismatches"] or not r["blocks_compared"]:
+                bad.append(f"{r['mismatches']} block / {r['sharer_mismatches']} sharer mismatch")
+            missing = r["sharers_missing"]
+            if any(missing.values()) if isinstance(missing, dict) else missing:
+                bad.append(f"sharers without a tensor to check: {missing}")
+        elif r["mismatches"] == 0:
+            bad.append("negative control found no mismatch")
+        where = f" ({r['num_tokens']} tokens)" if "num_tokens" in r else ""
+        problems += [f"{r['batch']} {r['request_id']}{where}: {b}" for b in bad]
+    return problems
 
 
 def passed(result: dict[str, Any]) -> bool:

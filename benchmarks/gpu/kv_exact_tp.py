@@ -243,16 +243,7 @@ def check_cell(work: Path, cell: dict[str, Any]) -> dict[str, Any]:
         for params in decoded.get(kind, {}).get("kv_transfer_params", []):
             if params and params.get("kv_load_error"):
                 problems.append(f"{kind}: kv_load_error {params['kv_load_error']}")
-    for r in requests:
-        bad = r["problems"] + [f"group {g} compared no block" for g in r["groups_without_blocks"]]
-        if r["batch"] == "main":
-            if r["mismatches"] or r["sharer_mismatches"] or not r["blocks_compared"]:
-                bad.append(f"{r['mismatches']} block / {r['sharer_mismatches']} sharer mismatch")
-            if r["sharers_missing"]:
-                bad.append(f"sharers without a tensor to check: {r['sharers_missing']}")
-        elif r["mismatches"] == 0:
-            bad.append("negative control found no mismatch")
-        problems += [f"{r['batch']} {r['request_id']}: {b}" for b in bad]
+    problems += kx.request_problems(requests)
     return {
         "requests": requests,
         "problems": problems,

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -270,14 +269,7 @@ def attack_big_bodies(target: TargetProcess, rounds: int, connections: int = 16)
     """Bodies just under the size cap, unauthenticated, from many connections at once."""
     body = b"\x00" * (side_channel.MAX_REQUEST_BYTES - 64)
     frame = side_channel.encode_request(body, target.where, None)[0]
-    codes: list[str] = []
-
-    def one() -> None:
-        for _ in range(rounds):
-            codes.append(_code(raw(target.port, frame)) or "closed")
-
-    _parallel(one, connections)
-    return codes
+    return _flood(target.port, frame, rounds, connections)
 
 
 def attack_claim_flood(target: TargetProcess, rounds: int) -> list[str]:
@@ -306,14 +298,7 @@ def attack_long_reason(target: TargetProcess, rounds: int) -> list[str]:
 def attack_hello_flood(target: TargetProcess, rounds: int, connections: int = 4) -> list[str]:
     """Unsigned handshakes from this (the decode's own) address."""
     frame = signed(target, protocol.Hello(protocol.PROTOCOL_VERSION, "x"), b"wrong")
-    codes: list[str] = []
-
-    def one() -> None:
-        for _ in range(rounds):
-            codes.append(_code(raw(target.port, frame)) or "closed")
-
-    _parallel(one, connections)
-    return codes
+    return _flood(target.port, frame, rounds, connections)
 
 
 def attack_odd_messages(target: TargetProcess, name: str) -> list[str]:
@@ -360,12 +345,20 @@ def _ok_error(reply: tuple[str, bytes] | None) -> str:
     return "ok"
 
 
-def _parallel(fn: Callable[[], None], threads: int) -> None:
-    workers = [threading.Thread(target=fn) for _ in range(threads)]
+def _flood(port: int, frame: bytes, rounds: int, connections: int) -> list[str]:
+    """``frame`` sent ``rounds`` times from each of ``connections`` threads: the codes."""
+    codes: list[str] = []
+
+    def one() -> None:
+        for _ in range(rounds):
+            codes.append(_code(raw(port, frame)) or "closed")
+
+    workers = [threading.Thread(target=one) for _ in range(connections)]
     for w in workers:
         w.start()
     for w in workers:
         w.join()
+    return codes
 
 
 if __name__ == "__main__":

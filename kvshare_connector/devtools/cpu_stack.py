@@ -148,9 +148,7 @@ def build_cpu_stack(
     ``kv_heads``: override the model's KV head count, to build what one TP rank holds
     (a rank of TP ``t`` over ``H`` split heads holds ``H / t``)."""
     import torch
-    from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.model_executor.models.gemma4 import Gemma4ForCausalLM
-    from vllm.platforms import current_platform
+    from vllm.config import set_current_vllm_config
     from vllm.v1.worker.gpu import attn_utils
 
     from kvshare_connector.vllm import compat
@@ -158,42 +156,11 @@ def build_cpu_stack(
     known = LAYOUTS + (VLLM_LAYOUTS if compat.HAS_KV_CACHE_LAYOUT else ())
     if layout not in known:
         raise ValueError(f"unknown layout {layout!r}; choose from {known}")
-    from vllm.plugins import load_general_plugins
-
-    load_general_plugins()  # as EngineArgs does: registers KVShareConnector by name
     root = Path(workdir) if workdir is not None else _models_root()
-    path = model_dir(model, root)
-    model_config = ModelConfig(
-        model=str(path),
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=max_model_len,
-        hf_overrides={
-            **hf_overrides_for(path / "config.json"),
-            **({"num_key_value_heads": kv_heads} if kv_heads else {}),
-        },
+    vllm_config = _cpu_vllm_config(
+        model_dir(model, root), kv_transfer_config, max_model_len, kv_heads
     )
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        device_config=DeviceConfig(device="cpu"),
-        kv_transfer_config=kv_transfer_config,
-    )
-    # HMA is on for CUDA platforms; the CPU-only build of the platform turns it off.
-    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
-    _ensure_distributed(vllm_config)
-
-    platform_cls = type(current_platform)
-    with (
-        mock.patch.object(platform_cls, "get_attn_backend_cls", classmethod(_cuda_backend_choice)),
-        set_current_vllm_config(vllm_config),
-        torch.device("meta"),
-    ):
-        Gemma4ForCausalLM(vllm_config=vllm_config, prefix="")
-    forward_context = vllm_config.compilation_config.static_forward_context
-    from kvshare_connector.vllm.adapter import sharing_map
-
-    sharing = sharing_map(forward_context)
-    specs = attn_utils.get_kv_cache_spec(vllm_config)
+    sharing, specs = _build_model(vllm_config)
     if compat.HAS_KV_CACHE_LAYOUT:
         kv_cache_config = _kv_cache_config_v033(vllm_config, specs, kv_bytes, layout)
     else:
@@ -214,13 +181,84 @@ def build_cpu_stack(
         if name not in sharing
     }
     stack = CpuKVStack(model, layout, vllm_config, kv_cache_config, {}, sharing, backends)
+    _allocate(stack, worker_config, attn_groups, kernel_block_sizes, kvcached_spare_blocks)
+    return stack
 
+
+def _cpu_vllm_config(
+    path: Path, kv_transfer_config: Any, max_model_len: int, kv_heads: int | None
+) -> Any:
+    """vLLM's config of the model at ``path`` on the CPU, with HMA on as on CUDA."""
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # as EngineArgs does: registers KVShareConnector by name
+    model_config = ModelConfig(
+        model=str(path),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=max_model_len,
+        hf_overrides={
+            **hf_overrides_for(path / "config.json"),
+            **({"num_key_value_heads": kv_heads} if kv_heads else {}),
+        },
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        device_config=DeviceConfig(device="cpu"),
+        kv_transfer_config=kv_transfer_config,
+    )
+    # HMA is on for CUDA platforms; the CPU-only build of the platform turns it off.
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    _ensure_distributed(vllm_config)
+    return vllm_config
+
+
+def _build_model(vllm_config: Any) -> tuple[dict[str, str], Any]:
+    """Instantiate Gemma-4 on the meta device (its attention layers register themselves):
+    the sharing map and vLLM's KV cache specs."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.models.gemma4 import Gemma4ForCausalLM
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu import attn_utils
+
+    from kvshare_connector.vllm.adapter import sharing_map
+
+    platform_cls = type(current_platform)
+    with (
+        mock.patch.object(platform_cls, "get_attn_backend_cls", classmethod(_cuda_backend_choice)),
+        set_current_vllm_config(vllm_config),
+        torch.device("meta"),
+    ):
+        Gemma4ForCausalLM(vllm_config=vllm_config, prefix="")
+    forward_context = vllm_config.compilation_config.static_forward_context
+    return sharing_map(forward_context), attn_utils.get_kv_cache_spec(vllm_config)
+
+
+def _allocate(
+    stack: CpuKVStack,
+    worker_config: Any,
+    attn_groups: Any,
+    kernel_block_sizes: Any,
+    kvcached_spare_blocks: int,
+) -> None:
+    """The KV tensors of ``stack.layout``, allocated as vLLM (or kvcached) does it."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.worker.gpu import attn_utils
+
+    from kvshare_connector.vllm import compat
+
+    vllm_config, layout = stack.vllm_config, stack.layout
+    forward_context = vllm_config.compilation_config.static_forward_context
+    cpu = torch.device("cpu")
     if compat.HAS_KV_CACHE_LAYOUT and not layout.startswith("kvcached"):
         with set_current_vllm_config(vllm_config):
             stack.kv_caches = attn_utils.init_kv_cache(
                 forward_context,
                 worker_config,
-                torch.device("cpu"),
+                cpu,
                 kernel_block_sizes,
                 vllm_config,
                 attn_groups=[group for groups in attn_groups for group in groups],
@@ -228,34 +266,27 @@ def build_cpu_stack(
     elif layout == "per_layer":
         with set_current_vllm_config(vllm_config):
             stack.kv_caches = attn_utils.init_kv_cache(
-                [],
-                forward_context,
-                worker_config,
-                attn_groups,
-                torch.device("cpu"),
-                "auto",
-                kernel_block_sizes,
-                vllm_config,
-            )
+                [], forward_context, worker_config, attn_groups, cpu, "auto",
+                kernel_block_sizes, vllm_config,
+            )  # fmt: skip
     elif layout == "cross_layer":
         from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
         with set_current_vllm_config(vllm_config):
             kv_caches, tensor, backend = KVConnectorModelRunnerMixin.allocate_uniform_kv_caches(
-                worker_config, attn_groups, "auto", torch.device("cpu"), kernel_block_sizes
+                worker_config, attn_groups, "auto", cpu, kernel_block_sizes
             )
-        for sharer, target in sharing.items():  # what the runner does after allocating
+        for sharer, target in stack.sharing.items():  # what the runner does after allocating
             kv_caches[sharer] = kv_caches[target]
         stack.kv_caches = kv_caches
         stack.cross_layer_tensor, stack.cross_layer_backend = tensor, backend
     else:
         stack.kv_caches, stack.keepalive = kvcached_views(
-            kv_cache_config,
-            sharing,
+            stack.kv_cache_config,
+            stack.sharing,
             contiguous=layout == "kvcached_contiguous",
-            capacity_blocks=kv_cache_config.num_blocks + kvcached_spare_blocks,
+            capacity_blocks=stack.kv_cache_config.num_blocks + kvcached_spare_blocks,
         )
-    return stack
 
 
 def _kv_cache_config_v033(vllm_config: Any, specs: Any, kv_bytes: int, layout: str) -> Any:

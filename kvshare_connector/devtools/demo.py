@@ -304,8 +304,6 @@ def run_demo(args: argparse.Namespace) -> int:
         control.stop()
         sink.close()
 
-    layers = len(stack.kv_caches)
-    bad_layers = len({m.split(" ")[0] for m in result.mismatches})
     ok = (
         result.done
         and not result.mismatches
@@ -314,15 +312,33 @@ def run_demo(args: argparse.Namespace) -> int:
         and len(lanes) == 1
     )
     control_ok = negative.done and bool(negative.mismatches)
+    _report(prefill.ready, stack, topology, local_ids, result, lanes, released, negative)
+    print("RESULT:", "PASS" if ok and control_ok else "FAIL")
+    return 0 if ok and control_ok else 1
+
+
+def _report(
+    ready: dict[str, Any],
+    stack: Any,
+    topology: Any,
+    local_ids: list[list[int]],
+    result: Any,
+    lanes: list[Any],
+    released: dict[str, Any],
+    negative: Any,
+) -> None:
+    """The demo's table: what was registered, read and checked."""
+    layers = len(stack.kv_caches)
+    bad_layers = len({m.split(" ")[0] for m in result.mismatches})
     rows = [
-        ("prefill layout", prefill.ready["layout"]),
+        ("prefill layout", ready["layout"]),
         ("decode layout", topology.layout),
         (
             "owner layers registered",
-            f"{prefill.ready['owners']} (prefill), {len(topology.owners)} (decode)",
+            f"{ready['owners']} (prefill), {len(topology.owners)} (decode)",
         ),
         ("sharing layers", f"{len(topology.sharers)} (never registered)"),
-        ("registered bytes (prefill)", f"{prefill.ready['registered_bytes']:,}"),
+        ("registered bytes (prefill)", f"{ready['registered_bytes']:,}"),
         ("KV cache groups", str(len(topology.groups))),
         ("blocks read", str(sum(len(i) for i in local_ids))),
         ("bytes read", f"{result.bytes:,}"),
@@ -338,14 +354,13 @@ def run_demo(args: argparse.Namespace) -> int:
         ("prefill released the blocks", str(released["read"] == ["req-0"])),
         (
             "negative control (wrong blocks) detected",
-            f"{control_ok} ({len(negative.mismatches)} bad blocks)",
+            f"{negative.done and bool(negative.mismatches)} ({len(negative.mismatches)} bad "
+            "blocks)",
         ),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
-    print("RESULT:", "PASS" if ok and control_ok else "FAIL")
-    return 0 if ok and control_ok else 1
 
 
 def _zero(topology: Any) -> None:

@@ -166,6 +166,16 @@ def add_serve_pd_parser(sub: argparse._SubParsersAction) -> None:
         "Arguments after `--` are passed to every `vllm serve`.",
     )
     p.add_argument("model")
+    _add_placement_args(p)
+    _add_engine_args(p)
+    _add_process_args(p)
+    _add_router_args(p)
+    _add_timeouts(p)
+    p.set_defaults(func=_run_serve_pd, check=_check_serve_pd)
+
+
+def _add_placement_args(p: argparse.ArgumentParser) -> None:
+    """serve-pd: where the engines run (ports, counts, GPUs, memory)."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument(
         "--port",
@@ -203,6 +213,10 @@ def add_serve_pd_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--block-size", type=checks.positive_int, default=None)
     p.add_argument("--max-model-len", type=checks.positive_int, default=None)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """serve-pd: what each engine runs with (layout, connector options, env)."""
     p.add_argument(
         "--layout",
         choices=["per_layer", "cross_layer"],
@@ -225,6 +239,10 @@ def add_serve_pd_parser(sub: argparse._SubParsersAction) -> None:
         metavar="KEY=VALUE",
         help="environment for the vLLM servers, e.g. ENABLE_KVCACHED=true",
     )
+
+
+def _add_process_args(p: argparse.ArgumentParser) -> None:
+    """serve-pd: how the processes start, log and stop."""
     p.add_argument(
         "--server-cmd",
         default=None,
@@ -259,6 +277,10 @@ def add_serve_pd_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="write a JSON description (endpoint, pids, logs) here once ready",
     )
+
+
+def _add_router_args(p: argparse.ArgumentParser) -> None:
+    """serve-pd: what fronts the engines."""
     p.add_argument(
         "--router",
         choices=["kvshare", "vllm-router"],
@@ -284,8 +306,6 @@ def add_serve_pd_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="more vllm-router arguments, one string",
     )
-    _add_timeouts(p)
-    p.set_defaults(func=_run_serve_pd, check=_check_serve_pd)
 
 
 class OneLineParser(argparse.ArgumentParser):

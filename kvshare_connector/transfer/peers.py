@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvshare_connector.common.failpoints import failpoint
 from kvshare_connector.common.log import get_logger
 from kvshare_connector.layout.descriptors import PairedOwner, TransferPlan
 from kvshare_connector.layout.matching import EngineIdentity, LayoutMismatch, pair_owners
@@ -196,6 +197,7 @@ class Peers:
 
     def _fetch(self, host: str, port: int, expect: str) -> protocol.HandshakeReply:
         hello = protocol.Hello(protocol.PROTOCOL_VERSION, self.engine_id, expect)
+        failpoint("peers.handshake")
         try:
             reply = self.ask((host, port), expect, hello)
         except SideChannelError as exc:

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from kvshare_connector.common.failpoints import failpoint
 from kvshare_connector.common.log import get_logger
 from kvshare_connector.layout.descriptors import transfer_descriptors
 from kvshare_connector.layout.staging import packed_read_of
@@ -187,6 +188,7 @@ class KVSink:
             self._verify(read)
             if self.digester is not None:
                 read.mark("verified")
+            failpoint("sink.before_report")
             self._finish(read)
             self._done.add(read.request_id)
         elif state == "ERR":
@@ -364,6 +366,7 @@ class KVSink:
         read.transfer = Transfer(handle, started, nbytes, len(local_rows), slot, packed)
         read.phase = Phase.READ
         read.mark("posted")
+        failpoint("sink.read_posted")
 
     def _landed(self, read: Read) -> None:
         """After the READ: a packed request is scattered into its blocks (a few copy
@@ -372,6 +375,7 @@ class KVSink:
         if t is not None and t.packed is not None and t.slot is not None and self.packer:
             self.transport.release(t.handle)
             t.handle = None
+            failpoint("sink.before_scatter")
             s = t.packed.scatter
             self.packer.scatter(s[:, 0], s[:, 2], t.slot + s[:, 1]).wait()
             self.packer.staging.release(t.slot)

@@ -14,6 +14,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvshare_connector.common.failpoints import failpoint
 from kvshare_connector.common.log import get_logger
 from kvshare_connector.layout.descriptors import request_descriptors
 from kvshare_connector.layout.sharding import Shard
@@ -221,7 +222,10 @@ class KVSource:
             packed[request_id] = protocol.PackedRef(
                 self.packer.staging.addr + pack.slot, pack.nbytes, pack.device_id
             )
-        return protocol.ClaimReply(held, gone, refused, packed, _digest_msgs(digests), ages)
+        reply = protocol.ClaimReply(held, gone, refused, packed, _digest_msgs(digests), ages)
+        if held:
+            failpoint("source.claim_answered")
+        return reply
 
     def _refusal(self, request_id: str, record: _Held, claim: protocol.Claim) -> str | None:
         """Why ``claim`` may not read held ``request_id``, or None. Caller holds the lock."""
@@ -373,6 +377,8 @@ class KVSource:
                 self._released[request_id] = None
             while len(self._released) > RELEASED_MEMORY:
                 self._released.popitem(last=False)
+        if read:
+            failpoint("source.before_release")
         return read, expired
 
     def _release(self, notifications: dict[str, list[bytes]]) -> tuple[set[str], set[str]]:
