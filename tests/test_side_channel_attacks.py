@@ -159,7 +159,7 @@ def test_claims_that_name_no_or_other_blocks_cannot_steal_a_request(target):
     ids = target.requests[name]
     claim = protocol.Claim(protocol.PROTOCOL_VERSION, "decode", [name], 30.0,
                            token="r" * 32, block_ids={name: ids})  # fmt: skip
-    reply = protocol.decode(attacks.raw(target.port, attacks.signed(target, claim))[1])
+    reply = protocol.decode(attacks.exchange(target.port, attacks.signed(target, claim))[2])
     assert isinstance(reply, protocol.ClaimReply) and reply.held == [name], reply
 
 

@@ -17,6 +17,7 @@ import time
 import msgspec
 import pytest
 
+from kvshare_connector.devtools.attacks import exchange, read_frame
 from kvshare_connector.transfer import side_channel
 from kvshare_connector.transfer.side_channel import (
     Limits,
@@ -48,28 +49,6 @@ def server():
     made.close()
 
 
-def _recv(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("closed")
-        data += chunk
-    return data
-
-
-def _raw(port: int, data: bytes, timeout_s: float = 3.0) -> tuple[str, bytes, bytes] | None:
-    """Send raw bytes; the reply as (code, mac, payload), or None (closed without one)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
-        sock.sendall(data)
-        try:
-            header = _recv(sock, side_channel.HEADER_BYTES)
-            body = _recv(sock, int.from_bytes(header[-4:], "big"))
-        except (TimeoutError, ConnectionError):
-            return None
-    return tuple(msgspec.msgpack.decode(body))  # type: ignore[return-value]
-
-
 def _to(server: SideChannelServer) -> str:
     return destination(ENGINE, "127.0.0.1", server.port)
 
@@ -85,9 +64,9 @@ def test_unauthenticated_wrong_secret_and_garbage_are_refused_and_counted(server
     with pytest.raises(SideChannelRefused, match="wrong MAC"):
         ask("127.0.0.1", server.port, b"hello", 3.0, b"another secret", ENGINE)
     forged = msgspec.msgpack.encode([_to(server), b"\x00" * 56, b"garbage"])  # auth-sized
-    reply = _raw(server.port, side_channel._frame(1, forged))
+    reply = exchange(server.port, side_channel._frame(1, forged))
     assert reply is not None and reply[0] == "unauthenticated" and b"wrong MAC" in reply[2]
-    assert _raw(server.port, side_channel._frame(1, b"\xc1 not msgpack"))[0] == "malformed"
+    assert exchange(server.port, side_channel._frame(1, b"\xc1 not msgpack"))[0] == "malformed"
     assert server.asked == []  # the handler never saw any of them
     assert server.refused == {"unauthenticated": 3, "malformed": 1}
 
@@ -97,13 +76,13 @@ def test_a_request_relayed_to_another_engine_is_refused(server):
     attacker's), which forwards it unchanged to prefill. The MAC covers the destination, so
     prefill refuses it, and the attacker learns nothing."""
     relayed, _ = encode_request(b"hello", destination(ENGINE, "10.9.8.7", 5600), SECRET)
-    reply = _raw(server.port, relayed)
+    reply = exchange(server.port, relayed)
     assert reply is not None and reply[0] == "misaddressed"
     assert b"relayed" in reply[2] and reply[1] == b""
     # Claiming to be addressed here while signed for elsewhere breaks the MAC instead.
     body = msgspec.msgpack.decode(relayed[side_channel.HEADER_BYTES :])
     body[0] = _to(server)
-    reply = _raw(server.port, side_channel._frame(1, msgspec.msgpack.encode(body)))
+    reply = exchange(server.port, side_channel._frame(1, msgspec.msgpack.encode(body)))
     assert reply is not None and reply[0] == "unauthenticated"
     assert server.asked == []
     with pytest.raises(SideChannelRefused, match="misaddressed"):
@@ -123,10 +102,10 @@ def test_replayed_and_stale_requests_are_refused(server):
         return side_channel._frame(1, body)
 
     nonce = os.urandom(16)
-    assert _raw(server.port, signed(time.time(), nonce))[2] == b"answer to claim"
-    again = _raw(server.port, signed(time.time(), nonce))
+    assert exchange(server.port, signed(time.time(), nonce))[2] == b"answer to claim"
+    again = exchange(server.port, signed(time.time(), nonce))
     assert again[0] == "replayed"
-    old = _raw(server.port, signed(time.time() - 3600, os.urandom(16)))
+    old = exchange(server.port, signed(time.time() - 3600, os.urandom(16)))
     assert old[0] == "stale" and b"s old" in old[2]
     assert server.asked == [b"claim"]
     assert server.refused == {"replayed": 1, "stale": 1}
@@ -147,8 +126,7 @@ def test_a_forged_or_misrouted_reply_is_not_accepted():
     def forge() -> None:
         conn, _ = listener.accept()
         with conn:
-            header = _recv(conn, side_channel.HEADER_BYTES)
-            _recv(conn, int.from_bytes(header[-4:], "big"))
+            read_frame(conn)
             conn.sendall(encode_reply("ok", b"forged answer", b"\x01" * 32))
 
     thread = threading.Thread(target=forge)
@@ -166,7 +144,7 @@ def test_oversize_requests_are_refused_unread_and_the_server_lives_on(server):
         ask("127.0.0.1", server.port, b"x" * ((1 << 16) + 1), 3.0, SECRET, ENGINE)
     # A header announcing 500 MiB: refused at once, nothing read, the connection closed.
     header = struct.pack(">4sBBHI", b"KVSC", 1, 1, 0, 500 << 20)
-    reply = _raw(server.port, header + b"x" * 1024)
+    reply = exchange(server.port, header + b"x" * 1024)
     assert reply is not None and reply[0] == "oversize"
     assert ask("127.0.0.1", server.port, b"still", 3.0, SECRET, ENGINE) == b"answer to still"
     assert server.refused == {"oversize": 2}
@@ -215,7 +193,7 @@ def test_connections_are_capped_per_address():
     held = [socket.create_connection(("127.0.0.1", made.port), timeout=3) for _ in range(3)]
     try:
         time.sleep(0.2)  # accepted by the server's loop
-        reply = _raw(made.port, b"")
+        reply = exchange(made.port, b"")
         assert reply is not None and reply[0] == "overloaded"
         with pytest.raises(SideChannelRefused) as refused:
             ask("127.0.0.1", made.port, b"x", 3.0, SECRET, ENGINE)

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from kvshare_connector.devtools import kvcheck
+from kvshare_connector.devtools.attacks import exchange, read_frame
 from kvshare_connector.devtools.demo import request_block_ids
 from kvshare_connector.layout.descriptors import request_descriptors
 from kvshare_connector.toolkit.procs import pick_free_port
@@ -84,35 +85,13 @@ def decoders(peers):
 # ---- the side channel under garbage ---------------------------------------------------
 
 
-def _exchange(port: int, data: bytes, timeout_s: float = 3.0) -> bytes | None:
-    """Send raw bytes to a side channel; the framed reply it sends back, or None."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
-        sock.sendall(data)
-        try:
-            header = _recv(sock, side_channel.HEADER_BYTES)
-            length = int.from_bytes(header[-4:], "big")
-            return _recv(sock, length)
-        except (TimeoutError, ConnectionError):
-            return None
-
-
-def _recv(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("closed")
-        data += chunk
-    return data
-
-
 def _answer(port: int, engine_id: str, payload: bytes) -> protocol.SideMessage:
     """Send ``payload`` as a well-framed request: the protocol's answer to it."""
     where = side_channel.destination(engine_id, "127.0.0.1", port)
     frame, _ = side_channel.encode_request(payload, where)
-    reply = _exchange(port, frame)
+    reply = exchange(port, frame)
     assert reply is not None, f"no answer to {payload[:16]!r}"
-    code, _mac, answer = msgspec.msgpack.decode(reply)
+    code, _mac, answer = reply
     assert code == "ok", (code, answer)
     return protocol.decode(answer)
 
@@ -154,9 +133,9 @@ def test_prefill_side_channel_answers_garbage_with_errors_and_keeps_serving(peer
         (side_channel.encode_request(hello, f"{engine}@127.0.0.1:{port}", b"k" * 16)[0],
          "unauthenticated"),
     ]:  # fmt: skip
-        reply = _exchange(port, data)
+        reply = exchange(port, data)
         assert reply is not None, code
-        assert msgspec.msgpack.decode(reply)[0] == code
+        assert reply[0] == code
 
     # A good handshake still works, and so does a read.
     answer = protocol.decode(ask("127.0.0.1", port, hello, HANDSHAKE_S, engine_id=engine))
@@ -211,8 +190,7 @@ class FakeSideChannel:
             self._open.append(conn)
             conn.settimeout(5)
             with contextlib.suppress(OSError, ConnectionError):
-                header = _recv(conn, side_channel.HEADER_BYTES)
-                _recv(conn, int.from_bytes(header[-4:], "big"))
+                read_frame(conn)
                 self.asked += 1
                 answer = self._answer()
                 if answer is not None:

@@ -196,17 +196,22 @@ class Watch:
 # ---- what a client sends --------------------------------------------------------------------
 
 
-def raw(port: int, data: bytes, timeout_s: float = 5.0) -> tuple[str, bytes] | None:
-    """Send raw bytes; the reply's (code, payload), or None if closed without one."""
+def exchange(port: int, data: bytes, timeout_s: float = 5.0) -> tuple[str, bytes, bytes] | None:
+    """Send raw bytes to a side channel on 127.0.0.1; its reply as ``(code, mac, payload)``,
+    or None if it closed without one."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
         with contextlib.suppress(OSError):  # refused unread: the server stops reading
             sock.sendall(data)
         try:
-            header = _recv(sock, side_channel.HEADER_BYTES)
-            code, _mac, payload = _decode(_recv(sock, int.from_bytes(header[-4:], "big")))
+            return _decode(read_frame(sock))
         except (TimeoutError, ConnectionError, OSError):
             return None
-    return code, payload
+
+
+def read_frame(sock: socket.socket) -> bytes:
+    """The body of the next framed message on ``sock`` (``ConnectionError`` if it ends)."""
+    header = _recv(sock, side_channel.HEADER_BYTES)
+    return _recv(sock, int.from_bytes(header[-4:], "big"))
 
 
 def _recv(sock: socket.socket, n: int) -> bytes:
@@ -262,7 +267,7 @@ def _release(ids: list[str], reason: str, token: str = "") -> Any:
 def attack_oversize(target: TargetProcess, rounds: int) -> list[str | None]:
     """Headers announcing 510 MiB (the old 34 frames x 15 MiB), then a little of the body."""
     header = b"KVSC\x01\x01\x00\x00" + (510 << 20).to_bytes(4, "big")
-    return [_code(raw(target.port, header + b"x" * (1 << 16))) for _ in range(rounds)]
+    return [_code(exchange(target.port, header + b"x" * (1 << 16))) for _ in range(rounds)]
 
 
 def attack_big_bodies(target: TargetProcess, rounds: int, connections: int = 16) -> list[str]:
@@ -276,7 +281,7 @@ def attack_claim_flood(target: TargetProcess, rounds: int) -> list[str]:
     """Unsigned claims naming 100k block ids of made-up requests, as fast as answered."""
     ids = [list(range(1, 100_001))]
     frame = signed(target, _claim(target, "x" * 500, ids, "t" * 32), b"not the secret")
-    return [_code(raw(target.port, frame)) or "closed" for _ in range(rounds)]
+    return [_code(exchange(target.port, frame)) or "closed" for _ in range(rounds)]
 
 
 def attack_release_flood(target: TargetProcess, rounds: int) -> list[str]:
@@ -284,7 +289,7 @@ def attack_release_flood(target: TargetProcess, rounds: int) -> list[str]:
     codes = []
     for r in range(rounds):
         ids = [f"guess-{r}-{i}" for i in range(protocol.MAX_IDS_PER_MESSAGE)]
-        codes.append(_code(raw(target.port, signed(target, _release(ids, "bye")))) or "closed")
+        codes.append(_code(exchange(target.port, signed(target, _release(ids, "bye")))) or "closed")
     return codes
 
 
@@ -292,7 +297,7 @@ def attack_long_reason(target: TargetProcess, rounds: int) -> list[str]:
     """Signed releases of 256 ids with a 256 KiB reason (a log flood, if it were logged)."""
     ids = [f"r-{i}" for i in range(protocol.MAX_IDS_PER_MESSAGE)]
     release = _release(ids, "x" * (256 << 10))
-    return [_ok_error(raw(target.port, signed(target, release))) for _ in range(rounds)]
+    return [_ok_error(exchange(target.port, signed(target, release))) for _ in range(rounds)]
 
 
 def attack_hello_flood(target: TargetProcess, rounds: int, connections: int = 4) -> list[str]:
@@ -312,29 +317,31 @@ def attack_odd_messages(target: TargetProcess, name: str) -> list[str]:
         protocol.Claim(protocol.PROTOCOL_VERSION, "attacker", [name], 30.0, token="t" * 32),
         _claim(target, name, [g[:1] for g in ids], "t" * 32),
     ]
-    return [_ok_error(_raw_when_admitted(target.port, signed(target, m))) for m in messages]
+    return [_ok_error(_when_admitted(target.port, signed(target, m))) for m in messages]
 
 
-def _raw_when_admitted(port: int, data: bytes, tries: int = 100) -> tuple[str, bytes] | None:
-    """``raw``, again while the server turns the connection away (an earlier attack's
+def _when_admitted(
+    port: int, data: bytes, tries: int = 100
+) -> tuple[str, bytes, bytes] | None:
+    """``exchange``, again while the server turns the connection away (an earlier attack's
     connections still count against this address); such a request was never read."""
     for _ in range(tries):
-        reply = raw(port, data)
+        reply = exchange(port, data)
         if reply is not None and reply[0] != "overloaded":
             return reply
         time.sleep(0.05)
     return reply
 
 
-def _code(reply: tuple[str, bytes] | None) -> str | None:
+def _code(reply: tuple[str, bytes, bytes] | None) -> str | None:
     return None if reply is None else reply[0]
 
 
-def _ok_error(reply: tuple[str, bytes] | None) -> str:
+def _ok_error(reply: tuple[str, bytes, bytes] | None) -> str:
     """``error: <text>`` for an answered protocol refusal, else the transport's code."""
     if reply is None:
         return "closed"
-    code, payload = reply
+    code, _mac, payload = reply
     if code != "ok":
         return code
     answer = protocol.decode(payload)
@@ -351,7 +358,7 @@ def _flood(port: int, frame: bytes, rounds: int, connections: int) -> list[str]:
 
     def one() -> None:
         for _ in range(rounds):
-            codes.append(_code(raw(port, frame)) or "closed")
+            codes.append(_code(exchange(port, frame)) or "closed")
 
     workers = [threading.Thread(target=one) for _ in range(connections)]
     for w in workers:
