@@ -289,7 +289,8 @@ def attack_release_flood(target: TargetProcess, rounds: int) -> list[str]:
     codes = []
     for r in range(rounds):
         ids = [f"guess-{r}-{i}" for i in range(protocol.MAX_IDS_PER_MESSAGE)]
-        codes.append(_code(exchange(target.port, signed(target, _release(ids, "bye")))) or "closed")
+        frame = signed(target, _release(ids, "bye"))
+        codes.append(_code(_when_admitted(target.port, frame)) or "closed")
     return codes
 
 
@@ -297,7 +298,7 @@ def attack_long_reason(target: TargetProcess, rounds: int) -> list[str]:
     """Signed releases of 256 ids with a 256 KiB reason (a log flood, if it were logged)."""
     ids = [f"r-{i}" for i in range(protocol.MAX_IDS_PER_MESSAGE)]
     release = _release(ids, "x" * (256 << 10))
-    return [_ok_error(exchange(target.port, signed(target, release))) for _ in range(rounds)]
+    return [_ok_error(_when_admitted(target.port, signed(target, release))) for _ in range(rounds)]
 
 
 def attack_hello_flood(target: TargetProcess, rounds: int, connections: int = 4) -> list[str]:

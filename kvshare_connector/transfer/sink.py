@@ -115,12 +115,9 @@ class KVSink:
         """
         if request_id in self._reads:
             raise ValueError(f"request {request_id} is already being read")
-        order = ReadOrder(
-            request_id, params, [list(ids) for ids in local_ids], num_tokens, num_local_tokens
-        )
-        if token is not None:
-            order = replace(order, token=token)
-        self._reads[request_id] = Read(replace(order, readers=readers))
+        local = [list(ids) for ids in local_ids]
+        order = ReadOrder(request_id, params, local, num_tokens, num_local_tokens, readers=readers)
+        self._reads[request_id] = Read(order if token is None else replace(order, token=token))
 
     @property
     def in_flight(self) -> set[str]:
