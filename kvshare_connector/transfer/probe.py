@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,6 +23,9 @@ from kvshare_connector.transfer import protocol
 from kvshare_connector.transfer.lanes import Verdict, is_local_host, verdict
 from kvshare_connector.transfer.nixl import NixlTransport, TransportError
 from kvshare_connector.transfer.records import LaneReport
+
+if TYPE_CHECKING:
+    from kvshare_connector.transfer.peers import Peer
 
 logger = get_logger(__name__)
 
@@ -166,9 +169,9 @@ class Lanes:
         self._measured: dict[str, LaneReport | None] = {}  # prefill agent -> its lane
         self._new: list[LaneReport] = []  # measured since the last ``take``
 
-    def ready(self, peer: Any, host: str, port: int) -> bool:
-        """``peer`` (a ``transfer.peers.Peer``) has its lane measured; ``ProbeError`` if its
-        probe READ failed or brought wrong bytes."""
+    def ready(self, peer: Peer, host: str, port: int) -> bool:
+        """``peer`` has its lane measured; ``ProbeError`` if its probe READ failed or
+        brought wrong bytes."""
         if peer.agent in self._measured:
             return True
         ref: protocol.ProbeRef | None = peer.probe

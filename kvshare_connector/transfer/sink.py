@@ -486,20 +486,19 @@ class KVSink:
             reason[: protocol.MAX_REASON_CHARS],
             read.order.token,
         )
+        rid = p.remote_request_id
         try:
-            reply: Any = self.peers.ask((p.remote_host, p.remote_port), p.remote_engine_id, release)
+            reply = self.peers.ask((p.remote_host, p.remote_port), p.remote_engine_id, release)
         except (SideChannelError, protocol.ProtocolError) as exc:
-            reply = exc
-        if not isinstance(reply, protocol.ClaimReply) or p.remote_request_id not in reply.gone:
-            why = reply.refused.get(p.remote_request_id, "") if isinstance(
-                reply, protocol.ClaimReply
-            ) else reply  # fmt: skip
-            logger.warning(
-                "could not ask prefill %s to free request %s: %s",
-                p.remote_engine_id,
-                p.remote_request_id,
-                why or reply,
-            )
+            why = str(exc)
+        else:
+            if isinstance(reply, protocol.ClaimReply) and rid in reply.gone:
+                return
+            refused = reply.refused if isinstance(reply, protocol.ClaimReply) else {}
+            why = refused.get(rid) or repr(reply)
+        logger.warning(
+            "could not ask prefill %s to free request %s: %s", p.remote_engine_id, rid, why
+        )
 
     def close(self) -> None:
         self.peers.close()
