@@ -286,6 +286,41 @@ def test_a_claim_must_name_exactly_the_blocks_the_request_holds(source):
     assert _claim(source, "c" * 32, [[4, 5, 6]]).held == ["req-a"]
 
 
+def test_one_claim_for_several_requests_binds_each_to_its_own_reader(source):
+    """Decode claims a step's requests from one prefill in one message, each request with
+    its own reader token: each is bound, refused or granted on its own."""
+    source.hold("req-b", block_ids=[[7, 8]])
+    assert _claim(source, "x" * 32, [[7, 8]], "req-b").held == ["req-b"]  # another reader
+    claim = protocol.Claim(
+        protocol.PROTOCOL_VERSION,
+        "decode-1",
+        ["req-a", "req-b"],
+        5.0,
+        tokens={"req-a": "a" * 32, "req-b": "b" * 32},
+        block_ids={"req-a": [[4, 5, 6]], "req-b": [[7, 8]]},
+    )
+    reply = protocol.decode(
+        ask("127.0.0.1", source.port, protocol.encode(claim), 5.0, engine_id="prefill-x")
+    )
+    assert reply.held == ["req-a"]
+    assert "already claimed by another decode" in reply.refused["req-b"]
+    # req-a's reader is the token the claim gave it, not the claim's (empty) default one
+    assert "already claimed" in _claim(source, "c" * 32, [[4, 5, 6]]).refused["req-a"]
+    assert _claim(source, "a" * 32, [[4, 5, 6]]).held == ["req-a"]
+
+
+def test_claim_tokens_for_requests_it_does_not_name_are_refused(source):
+    claim = protocol.Claim(
+        protocol.PROTOCOL_VERSION, "d", ["req-a"], 1.0, tokens={"req-z": "z" * 32}
+    )
+    reply = protocol.decode(
+        ask("127.0.0.1", source.port, protocol.encode(claim), 5.0, engine_id="prefill-x")
+    )
+    assert isinstance(reply, protocol.ErrorReply)
+    assert "claim tokens for requests the claim does not name" in reply.message
+    assert "req-a" in source.held and source.take_refused()["refused_messages"] == 1
+
+
 def test_claims_over_the_per_message_caps_are_refused(source):
     claim = protocol.Claim(
         protocol.PROTOCOL_VERSION,

@@ -48,6 +48,13 @@ def test_armed_points_fail_pause_and_count():
         with pytest.raises(FailpointError, match="failpoint sink.read_posted fired"):
             failpoint("sink.read_posted")
     failpoint("sink.read_posted")  # the count is spent
+    failpoints.configure("source.claim_answered=fail*1@3")  # a live server's warm-up passes
+    for _ in range(3):
+        failpoint("source.claim_answered")
+    with pytest.raises(FailpointError):
+        failpoint("source.claim_answered")
+    failpoint("source.claim_answered")
+    failpoints.configure("sink.read_posted=fail*2;peers.handshake=pause:0.2")
     started = time.monotonic()
     failpoint("peers.handshake")
     assert time.monotonic() - started >= 0.2
@@ -63,6 +70,7 @@ def test_armed_points_fail_pause_and_count():
         ("sink.read_posted=fail:3", "action must be fail, pause:SECONDS or exit"),
         ("sink.read_posted=pause:soon", "not a number"),
         ("sink.read_posted=fail*x", "not a number"),
+        ("sink.read_posted=exit@soon", "@ wants the number of hits to let pass"),
     ],
 )
 def test_a_bad_spec_names_the_problem(spec, message):

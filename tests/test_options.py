@@ -13,7 +13,8 @@ from kvshare_connector.backends.options import ConnectorOptions, OptionError
 
 def test_defaults():
     o = ConnectorOptions.parse(None, environ={})
-    assert o.backend == "nixl" and o.kv_lease_duration == 30.0 and o.verify_kv is False
+    assert o.backend == "nixl" and o.kv_lease_duration == 30.0 and o.verify_kv is None
+    assert o.verifies  # verify_kv is on unless turned off
     assert o.staging_bytes == 512 << 20 and o.lane_probe_bytes == 8 << 20
     assert o.secret is None and o.allowed_prefills is None and o.ucx_lane == "auto"
     assert o.nixl_progress_thread is True and o.cross_layer_blocks is None

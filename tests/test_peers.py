@@ -13,6 +13,7 @@ import pytest
 
 from kvshare_connector.devtools.demo import build, request_block_ids
 from kvshare_connector.toolkit.procs import pick_free_port
+from kvshare_connector.transfer import protocol
 from kvshare_connector.transfer.kv_params import remote_prefill_params
 from kvshare_connector.transfer.nixl import NixlTransport
 from kvshare_connector.transfer.settings import EngineSettings
@@ -125,3 +126,52 @@ def test_prefill_with_another_layout_is_remembered_not_asked_again(sink, alive, 
         ((_, _, reason),) = run(sink, {f"o{i}"}, 30)
         assert "LayoutMismatch" in reason and "KV cache group count" in reason
     assert len(fetched) == 1
+
+
+def test_a_steps_claims_to_one_prefill_go_in_one_message(sink, alive, monkeypatch):
+    """Requests that reach the CLAIM phase together are claimed in one message, each with
+    its own reader token, and all land (one ask per request queued them on two threads)."""
+    claims: list[protocol.Claim] = []
+    ask = sink.peers.ask
+
+    def counting(key, engine_id, message):
+        if isinstance(message, protocol.Claim):
+            claims.append(message)
+        return ask(key, engine_id, message)
+
+    monkeypatch.setattr(sink.peers, "ask", counting)
+    ids = {f"batch-{i}" for i in range(4)}
+    for i, request_id in enumerate(sorted(ids)):
+        queue(sink, alive.request("healthy", i + 2), request_id, seed=200 + i)
+    # the peer is known already (or handshakes first): every read becomes due in one advance
+    results = run(sink, ids, timeout_s=30)
+    assert [failure for _, _, failure in results] == [None] * len(ids)
+    assert len(claims) == 1, [c.request_ids for c in claims]
+    claim = claims[0]
+    assert len(claim.request_ids) == len(ids) == len(set(claim.tokens.values()))
+    assert set(claim.tokens) == set(claim.request_ids) == set(claim.block_ids)
+
+
+def test_claim_batches_split_by_prefill_and_caps():
+    from kvshare_connector.transfer.reads import Read, ReadOrder, claim_batches
+
+    def read(host_port: int, rid: str, blocks: int = 2, readers: int = 1) -> Read:
+        params = remote_prefill_params({
+            "do_remote_prefill": True, "remote_engine_id": f"p{host_port}",
+            "remote_host": "127.0.0.1", "remote_port": host_port,
+            "remote_block_ids": [list(range(1, blocks + 1))], "remote_request_id": rid,
+        })  # fmt: skip
+        return Read(ReadOrder(f"local-{rid}-{host_port}-{readers}", params, [[1]], readers=readers))
+
+    reads = [read(1, "a"), read(2, "a"), read(1, "b"), read(1, "a"), read(1, "c", readers=2)]
+    batches = [[r.order.request_id for r in b] for b in claim_batches(reads)]
+    assert sorted(batches) == sorted([
+        ["local-a-1-1", "local-b-1-1"],  # prefill 1: one message ...
+        ["local-a-1-1"],  # ... a remote id named twice goes in the next one
+        ["local-a-2-1"],  # prefill 2
+        ["local-c-1-2"],  # other TP readers
+    ])  # fmt: skip
+    many = [read(1, f"r{i}") for i in range(protocol.MAX_IDS_PER_MESSAGE + 1)]
+    assert [len(b) for b in claim_batches(many)] == [protocol.MAX_IDS_PER_MESSAGE, 1]
+    big = protocol.MAX_BLOCK_IDS_PER_MESSAGE // 2 + 1
+    assert [len(b) for b in claim_batches([read(1, "x", big), read(1, "y", big)])] == [1, 1]

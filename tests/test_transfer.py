@@ -205,6 +205,48 @@ def test_read_between_memory_layouts(peer, decoders, source, index, model, layou
     assert peer.released_event(source, request["request_id"])
 
 
+def test_a_packed_read_is_reported_only_once_its_scatter_is_done(peer, decoders, monkeypatch):
+    """The engine thread never waits for the scatter: while the device says it runs, the
+    read stays in LAND with its staging slot held, and polls return at once. (The device's
+    word is a CUDA event; a CPU box has none, so a stand-in answers "running" 6 times.)"""
+    from kvshare_connector.transfer.packing import Copy
+    from kvshare_connector.transfer.reads import Phase
+
+    packed = decoders(E2B, "per_layer", packed_mib=16)
+    queries: list[bool] = []
+
+    class Running:
+        def query(self) -> bool:
+            queries.append(len(queries) >= 6)
+            return queries[-1]
+
+        def synchronize(self) -> None:
+            raise AssertionError("the engine thread waited for the scatter")
+
+    scatter, poll, seen = packed.sink.packer.scatter, packed.sink.poll, []
+
+    def scatter_running(*args):
+        scatter(*args)
+        return Copy(Running())
+
+    def watched_poll(spin_s=0.0):
+        out = poll(spin_s=0.0)
+        seen.extend((r.phase, dict(packed.sink.packer.staging.used)) for r in
+                    packed.sink._reads.values())  # fmt: skip
+        return out
+
+    monkeypatch.setattr(packed.sink.packer, "scatter", scatter_running)
+    monkeypatch.setattr(packed.sink, "poll", watched_poll)
+    request = peer.source("e2b_packed")["requests"][2]
+    local_ids = request_block_ids(packed.topology, TOKENS, seed=33)
+    result = packed.read(request, local_ids, new_id("landing"))
+    assert_landed(packed, result, local_ids)
+    assert result.packed and queries[-1] is True and len(queries) >= 7
+    landing = [used for phase, used in seen if phase is Phase.LAND]
+    assert len(landing) >= 2 and all(landing)  # polled while it ran: the slot stayed taken
+    assert packed.sink.packer.staging.used == {}  # and came back once it was done
+
+
 def test_packed_read_lands_every_block_in_a_few_descriptors(peer, decoders):
     """Prefill packed each held request into its staging area; a decode with one reads it
     as a few large runs and scatters it; a decode without one reads block by block."""

@@ -161,13 +161,13 @@ def test_decode_side_corruption_after_the_read_is_caught(peer, decodes, monkeypa
     """The digest is taken from decode's blocks, not from what the wire carried: a scatter
     into the wrong place or a block overwritten before vLLM runs fails too."""
     decode = decodes("g4tiny", "per_layer", verify=True)
-    landed = decode.sink._landed
+    land = decode.sink._land
 
-    def landed_then_overwritten(read):
-        landed(read)
+    def overwritten_then_digested(read):  # after the READ, before decode digests
         overwrite_first_block(decode.topology, read.local_read)
+        land(read)
 
-    monkeypatch.setattr(decode.sink, "_landed", landed_then_overwritten)
+    monkeypatch.setattr(decode.sink, "_land", overwritten_then_digested)
     result, _ = decode.read(peer.request("tiny", 1), 6, "v-decode-corrupt")
     assert not result.done
     assert "differs from prefill block" in result.failure
@@ -212,17 +212,22 @@ def test_digest_reference_matches_the_kernel_and_sees_one_word():
         assert verification.digest_bytes(swapped) != verification.digest_bytes(block)
 
 
-def test_verify_kv_option_is_strict_and_the_lmcache_backend_refuses_it():
+def test_verify_kv_is_on_by_default_strict_and_the_lmcache_backend_refuses_it():
     from kvshare_connector.backends import create_backend
     from kvshare_connector.backends.options import ConnectorOptions
 
-    def parse(extra):
-        return ConnectorOptions.parse(extra, environ={})
+    def parse(extra, environ=None):
+        return ConnectorOptions.parse(extra, environ=environ or {})
 
+    assert parse({}).verifies and parse({"verify_kv": True}).verifies
     assert parse({"verify_kv": True}).verify_kv is True
     assert parse({"verify_kv": "false"}).verify_kv is False
+    assert not parse({"verify_kv": "false"}).verifies
+    assert not parse({}, {"KVSHARE_VERIFY_KV": "off"}).verifies
+    assert parse({"verify_kv": True}, {"KVSHARE_VERIFY_KV": "off"}).verifies  # config wins
     with pytest.raises(ValueError, match="must be true or false"):
         parse({"verify_kv": "maybe"})
     lmcache = {"backend": "lmcache", "lmcache": {"remote_url": "lm://127.0.0.1:1"}}
     with pytest.raises(ValueError, match="verify_kv is a feature of the nixl backend"):
         create_backend(parse({**lmcache, "verify_kv": True}))
+    create_backend(parse(lmcache))  # by default it is off there, not an error

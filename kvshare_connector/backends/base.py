@@ -203,6 +203,7 @@ class WorkerContext:
             insecure=o.side_channel_insecure,
             identity=self.engine_identity,
             allowed_prefills=frozenset(o.allowed_prefills) if o.allowed_prefills else None,
+            verify_required=o.verify_kv is True,
         )
 
 

@@ -100,7 +100,7 @@ class NixlWorker(WorkerBackend):
         values = list(tensors.values()) if isinstance(tensors, Mapping) else [tensors]
         memory = MemoryMap(values)  # torch views of the KV storages: packing and digests
         device = values[0].device
-        digester = Digester(memory, device) if o.verify_kv else None
+        digester = Digester(memory, device) if o.verifies else None
         shard = rank_shard(topology, c.tp_size, c.tp_rank, c.model_kv_heads)  # TP: our heads
         packers = []
         if c.produces:
@@ -182,8 +182,10 @@ class NixlWorker(WorkerBackend):
                 continue
             if order.release_only:
                 self._releasing.add(order.request_id)
-        if orders and self.sink is not None:
-            self.sink.advance()  # claims under way now, not when the step ends
+        if self.sink is not None and (orders or self.sink.in_flight):
+            # Claims asked, and READs whose claim came back during the last step posted,
+            # now (before this step's forward), not when the step ends.
+            self.sink.advance()
         return failed
 
     def hold(self, holds: Mapping[str, BlockIds]) -> None:

@@ -47,8 +47,11 @@ class ConnectorOptions:
                                               "(default off).")
     staging_mib: float = _option(512.0, "Staging area per engine for packed transfer "
                                  "(a request read as a few large runs); 0: block by block.")
-    verify_kv: bool = _option(False, "Digest every loaded layer-block on both sides; a load "
-                              "whose KV differs from prefill's fails (set on both engines).")
+    verify_kv: bool | None = _option(None, "Digest every loaded layer-block on both sides; "
+                                     "a load whose KV differs from prefill's fails. Default "
+                                     "(none): on with backend `nixl`, off with `lmcache`; "
+                                     "`false` on both engines turns it off.",
+                                     "KVSHARE_VERIFY_KV")
     side_channel_secret: str | None = _option(None, "HMAC key of every side-channel message, "
                                               "the same on every engine (docs/security.md).",
                                               "KVSHARE_SIDE_CHANNEL_SECRET")
@@ -119,6 +122,11 @@ class ConnectorOptions:
         return self.side_channel_secret.encode() if self.side_channel_secret else None
 
     @property
+    def verifies(self) -> bool:
+        """``verify_kv`` as it applies to the nixl backend (on unless turned off)."""
+        return self.verify_kv is not False
+
+    @property
     def staging_bytes(self) -> int:
         return int(self.staging_mib * 2**20)
 
@@ -160,9 +168,9 @@ _CHOICES = {"ucx_lane": ("auto", "off")}  # ``backend`` is checked by the regist
 
 
 def _convert(name: str, raw: Any, source: str) -> Any:
-    if name in ("verify_kv", "side_channel_insecure", "nixl_progress_thread"):
+    if name in ("side_channel_insecure", "nixl_progress_thread"):
         return _flag(raw, source)
-    if name == "cross_layer_blocks":
+    if name in ("cross_layer_blocks", "verify_kv"):
         return None if raw is None else _flag(raw, source)
     if name in _POSITIVE or name in ("staging_mib", "lane_probe_mib"):
         return _number(raw, source, positive=name in _POSITIVE)

@@ -10,8 +10,9 @@ Off unless ``KVSHARE_FAILPOINTS`` names some when the process starts (or a test 
     pause:SECONDS   sleep there (a hung peer, a slow step)
     exit            os._exit(137) at once (a crash: no cleanup, like SIGKILL)
 
-optionally followed by ``*N``: fire on the first N hits only. E.g.
-``KVSHARE_FAILPOINTS="sink.read_posted=exit;source.claim_answered=pause:20*1"``.
+optionally followed by ``*N``: fire on N hits only, and by ``@K``: let the first K hits
+pass (a live server's warm-up), so ``exit@40`` kills the process at the 41st hit. E.g.
+``KVSHARE_FAILPOINTS="sink.read_posted=exit;source.claim_answered=pause:20*1@40"``.
 Every point is listed in ``POINTS`` with where it sits.
 """
 
@@ -47,6 +48,7 @@ class _Point:
     action: str  # fail | pause | exit
     seconds: float = 0.0
     left: int | None = None  # hits that still fire (None: every hit)
+    skip: int = 0  # hits that still pass before it fires
 
 
 _ACTIVE: dict[str, _Point] = {}
@@ -54,12 +56,15 @@ _lock = threading.Lock()
 
 
 def parse(spec: str) -> dict[str, _Point]:
-    """``name=action[:arg][*count]`` items; ``ValueError`` naming what is wrong."""
+    """``name=action[:arg][*count][@skip]`` items; ``ValueError`` naming what is wrong."""
     points: dict[str, _Point] = {}
     for item in filter(None, (i.strip() for i in spec.split(";"))):
         name, sep, action = item.partition("=")
         if not sep or name not in POINTS:
             raise ValueError(f"{ENV}: {item!r}: expected NAME=ACTION, NAME one of {sorted(POINTS)}")
+        action, at, skip = action.partition("@")
+        if at and not skip.isdigit():
+            raise ValueError(f"{ENV}: {item!r}: @ wants the number of hits to let pass")
         action, _, count = action.partition("*")
         kind, _, arg = action.partition(":")
         if kind not in ("fail", "pause", "exit") or (kind == "pause") != bool(arg):
@@ -69,7 +74,7 @@ def parse(spec: str) -> dict[str, _Point]:
             seconds = float(arg) if kind == "pause" else 0.0
         except ValueError:
             raise ValueError(f"{ENV}: {item!r}: a count or pause that is not a number") from None
-        points[name] = _Point(kind, seconds, left)
+        points[name] = _Point(kind, seconds, left, int(skip or 0))
     return points
 
 
@@ -89,6 +94,9 @@ def failpoint(name: str) -> None:
     with _lock:
         point = _ACTIVE.get(name)
         if point is None or point.left == 0:
+            return
+        if point.skip > 0:
+            point.skip -= 1
             return
         if point.left is not None:
             point.left -= 1

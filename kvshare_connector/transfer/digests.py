@@ -1,10 +1,13 @@
 """``verify_kv``, the torch half: per layer-block digests of KV memory, on its device.
 
-``layout.verification`` defines the digest; this module computes it where the KV lives
-(one gather and one multiply-sum per owner layer, in bounded chunks) so prefill digests a
-request once when it holds it and decode digests its blocks after the READ, before vLLM
-runs on them. On CUDA the work runs on a side stream ordered after the compute stream, so
-prefill's engine loop does not wait for it; decode waits (its result gates the load).
+``layout.verification`` defines the digest; this module computes it where the KV lives so
+prefill digests a request once when it holds it and decode digests its blocks after the
+READ, before vLLM runs on them. The work of one request is cheap to launch and never
+blocks the engine thread: the word indices of every layer go to the device in one
+upload, each layer is one gather and one multiply-sum (in bounded chunks) into one
+output, and that output comes back in one asynchronous download; on CUDA all of it runs
+on a side stream ordered after the compute stream (and, on decode, after the scatter),
+and ``PendingDigests.ready()`` asks the event instead of waiting for it.
 torch is imported lazily: the transfer layer stays importable without it.
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,28 +23,46 @@ import numpy as np
 from kvshare_connector.layout.staging import word_indices, word_size
 from kvshare_connector.layout.topology import KVTopology
 from kvshare_connector.layout.verification import layer_runs, weights
-from kvshare_connector.transfer.packing import MemoryMap, PackingError
+from kvshare_connector.transfer.packing import Copy, MemoryMap, PackingError, upload
 
 CHUNK_BYTES = 64 << 20  # bytes gathered at once: bounds the temporary memory
 
 
 class PendingDigests:
-    """Digests being computed: ``result()`` waits and returns ``{layer: uint64 per block}``."""
+    """Digests being computed: ``ready()`` without waiting, ``result()`` waits and returns
+    ``{layer: uint64 per block}``."""
 
-    def __init__(self, values: dict[str, Any], event: Any | None):
-        self._values = values
+    def __init__(self, host: Any, slices: dict[str, tuple[int, int]], event: Any | None):
+        self._host = host  # int64 tensor in host memory, filled by the download
+        self._slices = slices  # layer -> (first, count) in it
         self._event = event
         self._result: dict[str, np.ndarray] | None = None
+
+    def ready(self) -> bool:
+        return self._event is None or bool(self._event.query())
 
     def result(self) -> dict[str, np.ndarray]:
         if self._result is None:
             if self._event is not None:
                 self._event.synchronize()
+            flat = self._host.numpy().view(np.uint64)
             self._result = {
-                name: value.cpu().numpy().view(np.uint64) for name, value in self._values.items()
+                name: flat[first : first + count].copy()
+                for name, (first, count) in self._slices.items()
             }
-            self._values = {}
+            self._host = None
         return self._result
+
+
+@dataclass(frozen=True)
+class _LayerWork:
+    name: str
+    span: Any  # the storage the layer's blocks lie in
+    word: int  # bytes per gathered row
+    blocks: int
+    block_bytes: int
+    first_index: int  # of its rows in the request's one index upload
+    rows: int
 
 
 class Digester:
@@ -63,50 +85,80 @@ class Digester:
             self._weights[words] = torch.from_numpy(weights(words)).to(self.device)
         return self._weights[words]
 
-    def start(self, topology: KVTopology, block_ids: Sequence[Sequence[int]]) -> PendingDigests:
-        """Digest every owner layer's ``block_ids`` (per group; null blocks are skipped)."""
+    def start(
+        self, topology: KVTopology, block_ids: Sequence[Sequence[int]], after: Copy | None = None
+    ) -> PendingDigests:
+        """Digest every owner layer's ``block_ids`` (per group; null blocks are skipped),
+        after the copy ``after`` (decode: the scatter into those blocks) if one is given."""
         import torch
 
         real = [[b for b in ids if b] for ids in block_ids]
+        work, indices = self._plan(topology, real)
         stream = self._stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
+            if after is not None and after.event is not None:
+                stream.wait_event(after.event)
+        total = sum(w.blocks for w in work)
         context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        values: dict[str, Any] = {}
         with context:
-            for runs in layer_runs(topology, real):
-                values[runs.name] = self._layer(runs.addr, runs.segment_len, runs.block_bytes)
+            index = upload(indices, self.device)
+            out = torch.zeros(total, dtype=torch.int64, device=self.device)
+            slices, first = {}, 0
+            for w in work:
+                slices[w.name] = (first, w.blocks)
+                if w.blocks:
+                    self._layer(w, index, out[first : first + w.blocks])
+                first += w.blocks
+            host = torch.empty(total, dtype=torch.int64, pin_memory=stream is not None)
+            host.copy_(out, non_blocking=stream is not None)
         event = None
         if stream is not None:
             event = torch.cuda.Event()
             event.record(stream)
-        return PendingDigests(values, event)
+        return PendingDigests(host, slices, event)
 
-    def _layer(self, addr: np.ndarray, segment_len: int, block_bytes: int) -> Any:
+    def _plan(
+        self, topology: KVTopology, real: list[list[int]]
+    ) -> tuple[list[_LayerWork], np.ndarray]:
+        """Each layer's rows to gather, all in one index array (host side only)."""
+        work, parts, first = [], [], 0
+        for runs in layer_runs(topology, real):
+            segments = runs.block_bytes // runs.segment_len
+            blocks = runs.addr.size // segments
+            if blocks and runs.block_bytes % 8:
+                raise PackingError(f"a block of {runs.block_bytes} bytes is not whole 64-bit words")
+            if blocks == 0:
+                work.append(_LayerWork(runs.name, None, 8, 0, runs.block_bytes, first, 0))
+                continue
+            span = self.memory.span_of(int(runs.addr.min()), 0)
+            self.memory.span_of(int(runs.addr.max()), runs.segment_len)  # the last run too
+            offsets = runs.addr - span.start
+            word = word_size(offsets, np.asarray([runs.segment_len]), limit=4096)
+            if word < 8:  # unaligned runs: the digest still reads 64-bit words of the block
+                word = 1
+            idx = word_indices(offsets, np.full(offsets.size, runs.segment_len, np.int64), word)
+            work.append(
+                _LayerWork(runs.name, span, word, blocks, runs.block_bytes, first, idx.size)
+            )
+            parts.append(idx)
+            first += idx.size
+        indices = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return work, indices
+
+    def _layer(self, w: _LayerWork, index: Any, out: Any) -> None:
+        """One layer's digests into ``out``: gather its blocks' words, weight and sum."""
         import torch
 
-        segments = block_bytes // segment_len
-        blocks = addr.size // segments
-        if blocks == 0:
-            return torch.zeros(0, dtype=torch.int64, device=self.device)
-        if block_bytes % 8:
-            raise PackingError(f"a block of {block_bytes} bytes is not whole 64-bit words")
-        span = self.memory.span_of(int(addr.min()), 0)
-        self.memory.span_of(int(addr.max()), segment_len)  # the last run lies inside too
-        offsets = addr - span.start
-        word = word_size(offsets, np.asarray([segment_len]), limit=4096)
-        if word < 8:  # unaligned runs: the digest still reads 64-bit words of the block
-            word = 1
-        rows = MemoryMap.rows_of(span, word)
-        w = self._weights_of(block_bytes // 8)
-        per_chunk = max(1, CHUNK_BYTES // block_bytes)
-        out = []
-        for first in range(0, blocks, per_chunk):
-            part = offsets[first * segments : (first + per_chunk) * segments]
-            idx = word_indices(part, np.full(part.size, segment_len, dtype=np.int64), word)
-            gathered = rows.index_select(0, torch.from_numpy(idx).to(self.device))
-            if word == 1:
+        rows = MemoryMap.rows_of(w.span, w.word)
+        weight = self._weights_of(w.block_bytes // 8)
+        rows_per_block = w.rows // w.blocks
+        per_chunk = max(1, CHUNK_BYTES // w.block_bytes)
+        for b in range(0, w.blocks, per_chunk):
+            e = min(b + per_chunk, w.blocks)
+            idx = index[w.first_index + b * rows_per_block : w.first_index + e * rows_per_block]
+            gathered = rows.index_select(0, idx)
+            if w.word == 1:
                 gathered = gathered.reshape(-1).view(torch.int64)
-            words = gathered.reshape(-1, block_bytes // 8)
-            out.append((words * w).sum(dim=1))
-        return torch.cat(out)
+            words = gathered.reshape(-1, w.block_bytes // 8)
+            torch.sum(words * weight, dim=1, out=out[b:e])

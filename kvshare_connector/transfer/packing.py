@@ -138,14 +138,25 @@ class Copy:
     """A gather or scatter in flight: ``done()`` once the bytes are in place."""
 
     def __init__(self, event: Any | None):
-        self._event = event
+        self.event = event  # recorded after the copy on its stream (None: done already)
 
     def done(self) -> bool:
-        return self._event is None or bool(self._event.query())
+        return self.event is None or bool(self.event.query())
 
     def wait(self) -> None:
-        if self._event is not None:
-            self._event.synchronize()
+        if self.event is not None:
+            self.event.synchronize()
+
+
+def upload(indices: np.ndarray, device: Any) -> Any:
+    """Host int64 indices on ``device`` without blocking the host: through pinned memory
+    (a copy from pageable memory would make the engine thread wait for the device)."""
+    import torch
+
+    host = torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64))
+    if torch.device(device).type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class Packer:
@@ -180,16 +191,21 @@ class Packer:
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(device))
         context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        plans, parts = [], []
+        for span, rows in self.memory.split(addr, length):
+            offsets = addr[rows] - span.start
+            word = word_size(np.concatenate([offsets, staged[rows]]), length[rows])
+            kv_idx = word_indices(offsets, length[rows], word)
+            parts += [kv_idx, word_indices(staged[rows], length[rows], word)]
+            plans.append((span, word, kv_idx.size))
         with context:
-            for span, rows in self.memory.split(addr, length):
-                offsets = addr[rows] - span.start
-                word = word_size(np.concatenate([offsets, staged[rows]]), length[rows])
-                kv_idx = word_indices(offsets, length[rows], word)
-                st_idx = word_indices(staged[rows], length[rows], word)
+            index = upload(np.concatenate(parts), device)  # one upload for every span
+            first = 0
+            for span, word, n in plans:
+                kv_i, st_i = index[first : first + n], index[first + n : first + 2 * n]
+                first += 2 * n
                 kv = MemoryMap.rows_of(span, word)
                 st = MemoryMap.rows_of(self.staging.span, word)
-                kv_i = torch.from_numpy(kv_idx).to(device, non_blocking=True)
-                st_i = torch.from_numpy(st_idx).to(device, non_blocking=True)
                 if to_staging:
                     st.index_copy_(0, st_i, kv.index_select(0, kv_i))
                 else:

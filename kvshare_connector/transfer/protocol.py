@@ -27,7 +27,7 @@ from kvshare_connector.layout.topology import (
 # notifications carry the reader's claim token. 3: claims may ask for KV digests.
 # 4: layouts carry the TP shard, claims how many decode ranks read (tensor parallelism).
 # 5: handshake replies name a lane probe, releases carry the reader's claim token.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 NOTIF_PREFIX = b"kvshare:v2:"
 NOTIF_DONE = b"done:"  # decode read the blocks: free them
 NOTIF_ABORT = b"abort:"  # decode gave up on the request: free them too
@@ -299,6 +299,9 @@ class Claim(msgspec.Struct, tag="claim", forbid_unknown_fields=True):
     request_ids: list[str]
     hold_s: float  # keep them at least this long from now (the reader's transfer bound)
     token: str = ""  # the reader's claim token (random per read)
+    # several requests claimed at once (one ask per prefill per step): request id -> its
+    # reader's token, for the ids it names (the others use ``token``)
+    tokens: dict[str, str] = {}
     block_ids: dict[str, list[list[int]]] = {}
     packed: bool = False  # the reader can take a packed request (``ClaimReply.packed``)
     verify: bool = False  # the reader wants the requests' KV digests (``ClaimReply.digests``)

@@ -1,9 +1,11 @@
 """A decode read's explicit phases and the record each phase adds.
 
 PEER: waiting for prefill's handshake and lane probe. CLAIM: the ``Plan`` is made (which
-blocks pair, the descriptors) and prefill is asked to keep the blocks for this reader; its
-answer is the ``Grant``. READ: the ``Transfer`` is posted to NIXL; once done it is scattered
-(packed) and verified (``verify_kv``), and the read ends done, or failed at any phase.
+blocks pair, the descriptors) and prefill is asked to keep the blocks for this reader (the
+step's claims to one prefill go in one message: ``claim_batches``); its answer is the
+``Grant``. READ: the ``Transfer`` is posted to NIXL. LAND: the bytes arrived; the scatter
+(packed) and decode's digests (``verify_kv``) run on the device, watched without
+blocking; then the digests are compared and the read ends done, or failed at any phase.
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ import numpy as np
 from kvshare_connector.layout.staging import PackedRead
 from kvshare_connector.layout.topology import BlockIds
 from kvshare_connector.transfer import kv_params, protocol
+from kvshare_connector.transfer.digests import PendingDigests
+from kvshare_connector.transfer.packing import Copy
 
 
 class Phase(enum.Enum):
     PEER = "peer"  # waiting for prefill's handshake and lane probe
     CLAIM = "claim"  # asked prefill to keep the blocks for this reader
     READ = "read"  # READ posted to NIXL
+    LAND = "land"  # the READ is done: scatter and digests running on the device
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class Plan:
     remote_ids: list[list[int]]
     rows: tuple[np.ndarray, np.ndarray]  # (local, remote) block-by-block descriptors
     blocks: int
+    verify: bool = False  # verify_kv applies (whole blocks: not a TP head-slice pairing)
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,19 @@ class Transfer:
     packed: PackedRead | None = None  # packed: what to READ and then copy out of the slot
 
 
+@dataclass(frozen=True)
+class Landing:
+    """What runs on the device once the READ is done: each ``None`` when not needed."""
+
+    scatter: Copy | None  # packed: the staging slot into the request's blocks
+    digests: PendingDigests | None  # verify_kv: decode's digests of its blocks
+
+    def ready(self) -> bool:
+        return (self.scatter is None or self.scatter.done()) and (
+            self.digests is None or self.digests.ready()
+        )
+
+
 @dataclass
 class Read:
     order: ReadOrder
@@ -83,6 +102,7 @@ class Read:
     next_claim: float = 0.0  # "not held yet": ask again from then
     grant: Grant | None = None
     transfer: Transfer | None = None
+    landing: Landing | None = None
     verified: int = 0
     marks: dict[str, float] = field(default_factory=dict)  # phase -> s since created
 
@@ -96,3 +116,27 @@ class Read:
 
     def mark(self, phase: str) -> None:
         self.marks[phase] = round(time.monotonic() - self.created, 6)
+
+
+def claim_batches(reads: list[Read]) -> list[list[Read]]:
+    """``reads`` cut into claims: one per prefill (same address, engine, TP readers and
+    verification), each within the per-message caps and naming a remote request id once."""
+    done: list[list[Read]] = []
+    open_: dict[tuple[Any, ...], tuple[list[Read], set[str], int]] = {}
+    for read in reads:
+        p = read.order.params
+        verify = read.plan is not None and read.plan.verify
+        key = (p.remote_host, p.remote_port, p.remote_engine_id, read.order.readers, verify)
+        blocks = sum(len(ids) for ids in p.remote_block_ids)
+        batch, named, total = open_.get(key, ([], set(), 0))
+        if batch and (
+            len(batch) >= protocol.MAX_IDS_PER_MESSAGE
+            or total + blocks > protocol.MAX_BLOCK_IDS_PER_MESSAGE
+            or p.remote_request_id in named
+        ):
+            done.append(batch)
+            batch, named, total = [], set(), 0
+        batch.append(read)
+        named.add(p.remote_request_id)
+        open_[key] = (batch, named, total + blocks)
+    return done + [batch for batch, _, _ in open_.values()]

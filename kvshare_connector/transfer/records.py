@@ -8,10 +8,12 @@ from dataclasses import dataclass, field
 
 # A read's phases, in order (``TransferRecord.timeline``: seconds since the order came):
 # claimed: prefill answered the claim (lease extended, packed slot and digests named);
-# posted: the READ was handed to NIXL; landed: its bytes are in decode's blocks (after
-# the scatter, when packed); verified: decode's digests matched prefill's (verify_kv);
-# reported: the engine learned the load is done (the poll that returned it).
-PHASES = ("claimed", "posted", "landed", "verified", "reported")
+# posted: the READ was handed to NIXL; arrived: NIXL said it is done (the scatter and
+# decode's digests are launched then); landed: its bytes are in decode's blocks (after
+# the scatter, when packed) and the digests taken; verified: decode's digests matched
+# prefill's (verify_kv); reported: the engine learned the load is done (the poll that
+# returned it).
+PHASES = ("claimed", "posted", "arrived", "landed", "verified", "reported")
 
 
 @dataclass(frozen=True)

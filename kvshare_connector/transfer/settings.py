@@ -25,6 +25,9 @@ class EngineSettings:
     identity: EngineIdentity | None = None  # model, dtypes, block size, vLLM version
     # decode: the prefills it may connect to ("host" or "host:port"; None: any)
     allowed_prefills: frozenset[str] | None = None
+    # decode: verify_kv asked for explicitly: a pairing it cannot check (TP head slices)
+    # fails instead of reading unverified
+    verify_required: bool = False
 
     def allows(self, host: str, port: int) -> bool:
         """Decode may connect to a prefill side channel at ``host:port``."""

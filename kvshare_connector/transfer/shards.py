@@ -88,6 +88,7 @@ class ShardedSink:
         self._part_of: dict[str, str] = {}  # sub-read -> request
         self._reasons: dict[str, list[str]] = {}  # request -> why sub-reads failed
         self._warned_unpacked = False
+        self._warned_unverified = False
 
     @property
     def in_flight(self) -> set[str]:
@@ -207,7 +208,7 @@ class ShardedSink:
             self.topology, remote, self.shard, remote_shard, identity, remote_identity
         )
         if is_sliced(self.topology, owners):
-            if self.sink.digester is not None:
+            if self.sink.digester is not None and self.sink.settings.verify_required:
                 raise LayoutMismatch(
                     [
                         "verify_kv digests whole blocks; this TP pairing reads head slices "
@@ -215,6 +216,16 @@ class ShardedSink:
                     ],
                     self.topology.layout,
                     remote.layout,
+                )
+            if self.sink.digester is not None and not self._warned_unverified:
+                self._warned_unverified = True
+                logger.warning(
+                    "decode TP rank %d/%d reads head slices from prefill TP %d: verify_kv "
+                    "digests whole blocks, so those reads are not verified (verify_kv: true "
+                    "refuses such pairings instead)",
+                    self.shard.tp_rank,
+                    self.shard.tp_size,
+                    remote_shard.tp_size,
                 )
             if self.sink.packer is not None and not self._warned_unpacked:
                 self._warned_unpacked = True

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from concurrent.futures import CancelledError
 from dataclasses import replace
 from typing import Any
 
@@ -27,12 +26,20 @@ from kvshare_connector.layout.topology import BlockIds, KVTopology
 from kvshare_connector.layout.verification import VerificationError, compare
 from kvshare_connector.transfer import kv_params, protocol
 from kvshare_connector.transfer.alignment import align_block_ids
+from kvshare_connector.transfer.claims import ClaimRefused, Claims, PeerDown
 from kvshare_connector.transfer.digests import Digester
 from kvshare_connector.transfer.nixl import NixlTransport, TransportError
 from kvshare_connector.transfer.packing import Packer
 from kvshare_connector.transfer.peers import HandshakeError, Pairing, Peer, Peers
 from kvshare_connector.transfer.probe import Lanes, ProbeBuffer, ProbeError
-from kvshare_connector.transfer.reads import Grant, Phase, Plan, Read, ReadOrder, Transfer
+from kvshare_connector.transfer.reads import (
+    Landing,
+    Phase,
+    Plan,
+    Read,
+    ReadOrder,
+    Transfer,
+)
 from kvshare_connector.transfer.records import LaneReport, SinkProgress, TransferRecord
 from kvshare_connector.transfer.settings import EngineSettings
 from kvshare_connector.transfer.side_channel import SideChannelError, warn_if_no_secret
@@ -44,14 +51,6 @@ SPIN_S = 0.002  # how long a poll watches READs it just posted (see ``KVSink.pol
 
 class ReadFailed(TransportError):
     """NIXL reported a READ failed (the peer died or its memory went away)."""
-
-
-class PeerDown(HandshakeError):
-    """Prefill did not answer a claim (dead, or unreachable)."""
-
-
-class ClaimRefused(HandshakeError):
-    """Prefill refused this decode's claim (another reader, or blocks it does not hold)."""
 
 
 class KVSink:
@@ -84,6 +83,7 @@ class KVSink:
             if extra is not None:
                 transport.register([extra])
         self.peers = Peers(topology, transport, settings, pairing=pairing)
+        self.claims = Claims(self.peers, settings, packer is not None)
         self._reads: dict[str, Read] = {}
         self._done: set[str] = set()  # finished since the last poll
         self._failed: dict[str, str] = {}
@@ -157,7 +157,7 @@ class KVSink:
         deadline = now + spin_s
         for read in list(self._reads.values()):
             try:
-                if read.phase is not Phase.READ:
+                if read.phase not in (Phase.READ, Phase.LAND):
                     bound = self.settings.handshake_timeout_s + self.settings.transfer_timeout_s
                     if now - read.created > bound:
                         raise HandshakeError("timed out waiting for the prefill handshake")
@@ -168,31 +168,51 @@ class KVSink:
                 self._watch(read, deadline, now)  # a READ posted just now is watched too
             except Exception as exc:  # every failure ends this request only
                 self._fail(read, exc)
+        for request_id, exc in self.claims.send().items():
+            self._fail(self._reads[request_id], exc)
         for request_id in self._done | set(self._failed):
             self._reads.pop(request_id, None)
 
     def _watch(self, read: Read, deadline: float, now: float) -> None:
-        """A posted READ: finish it once NIXL says done (watching it until ``deadline``)."""
+        """A posted READ: once NIXL says done, start what runs on the device after it, and
+        finish the read once that is done too (watching both until ``deadline``)."""
         transfer = read.transfer
         assert transfer is not None
-        state = self.transport.state(transfer.handle)
-        while state == "PROC" and time.monotonic() < deadline:
-            state = self.transport.state(transfer.handle)
         p = read.order.params
-        if state == "DONE":
-            self._landed(read)
-            read.mark("landed")
-            self._verify(read)
-            if self.digester is not None:
-                read.mark("verified")
-            failpoint("sink.before_report")
-            self._finish(read)
-            self._done.add(read.request_id)
-        elif state == "ERR":
-            raise ReadFailed(f"NIXL READ from {p.remote_engine_id} failed")
-        elif now - transfer.started > self.settings.transfer_timeout_s:
+        if read.phase is Phase.READ:
+            state = self.transport.state(transfer.handle)
+            while state == "PROC" and time.monotonic() < deadline:
+                state = self.transport.state(transfer.handle)
+            if state == "ERR":
+                raise ReadFailed(f"NIXL READ from {p.remote_engine_id} failed")
+            if state != "DONE":
+                self._check_time(read, now, "did not finish")
+                return
+            read.mark("arrived")
+            self._land(read)
+        assert read.landing is not None
+        while not read.landing.ready() and time.monotonic() < deadline:
+            pass
+        if not read.landing.ready():
+            self._check_time(read, now, "arrived, but its scatter or digests did not finish")
+            return
+        self._landed(read)
+        read.mark("landed")
+        self._verify(read)
+        if read.verified:
+            read.mark("verified")
+        failpoint("sink.before_report")
+        self._finish(read)
+        self._done.add(read.request_id)
+
+    def _check_time(self, read: Read, now: float, what: str) -> None:
+        transfer = read.transfer
+        assert transfer is not None
+        if now - transfer.started > self.settings.transfer_timeout_s:
+            if read.landing is not None and read.landing.scatter is not None:
+                read.landing.scatter.wait()  # it writes the request's blocks: let it end
             raise TransportError(
-                f"NIXL READ from {p.remote_engine_id} did not finish in "
+                f"NIXL READ from {read.order.params.remote_engine_id} {what} in "
                 f"{self.settings.transfer_timeout_s:g} s"
             )
 
@@ -223,7 +243,7 @@ class KVSink:
             read.plan = self._plan(read.order, peer)
             read.phase = Phase.CLAIM
         if read.grant is None:
-            grant = self._claimed(read)
+            grant = self.claims.grant(read)
             if grant is None:
                 return False
             read.grant = grant
@@ -244,85 +264,11 @@ class KVSink:
         rows = transfer_descriptors(
             peer.plan, local_ids, remote_ids, self.topology.num_blocks, peer.topology.num_blocks
         )
-        return Plan(local_ids, remote_ids, rows, sum(len(ids) for ids in local_ids))
-
-    def _claimed(self, read: Read) -> Grant | None:
-        """Prefill's grant once it confirmed it holds the blocks for this reader (and
-        extended their lease); None while the answer is not in.
-
-        Prefill's scheduler hands a finished request to its worker one step after it
-        returned the request's kv_transfer_params, so "not held yet" is retried until the
-        handshake bound; "gone" (read or lease expired) fails the request before any read.
-        """
-        p = read.order.params
-        if read.claim is None:
-            if time.monotonic() >= read.next_claim:
-                key = (p.remote_host, p.remote_port)
-                read.claim = self.peers.submit(key, self._ask_claim, read.order)
-            return None
-        if not read.claim.done():
-            return None
-        future, read.claim = read.claim, None
-        try:
-            reply = future.result()
-        except CancelledError:
-            raise HandshakeError(
-                f"prefill {p.remote_engine_id} was evicted before the claim of request "
-                f"{p.remote_request_id} could be asked"
-            ) from None
-        rid = p.remote_request_id
-        if rid in reply.refused:
-            raise ClaimRefused(
-                f"prefill {p.remote_engine_id} refused the claim of request {rid}: "
-                f"{reply.refused[rid]}"
-            )
-        if rid in reply.held:
-            if self.digester is not None and rid not in reply.digests:
-                raise VerificationError(
-                    f"prefill {p.remote_engine_id} sent no KV digests for request {rid}: "
-                    "verify_kv must be on for prefill too"
-                )
-            return Grant(reply.packed.get(rid), reply.digests.get(rid), reply.held_s.get(rid))
-        if rid in reply.gone:
-            raise TransportError(
-                f"prefill {p.remote_engine_id} no longer holds request {rid}'s blocks (read "
-                "already, or its lease expired)"
-            )
-        if time.monotonic() - read.created > self.settings.handshake_timeout_s:
-            raise HandshakeError(
-                f"prefill {p.remote_engine_id} never held request {rid} within "
-                f"{self.settings.handshake_timeout_s:g} s"
-            )
-        read.next_claim = time.monotonic() + 0.01
-        return None
-
-    def _ask_claim(self, order: ReadOrder) -> protocol.ClaimReply:
-        p = order.params
-        host, port, request_id = p.remote_host, p.remote_port, p.remote_request_id
-        claim = protocol.Claim(
-            protocol.PROTOCOL_VERSION,
-            self.engine_id,
-            [request_id],
-            self.settings.transfer_timeout_s + 5,
-            token=order.token,
-            block_ids={request_id: [list(ids) for ids in p.remote_block_ids]},  # all it holds
-            packed=self.packer is not None,
-            verify=self.digester is not None,
-            readers=order.readers,
-        )
-        try:
-            reply = self.peers.ask((host, port), p.remote_engine_id, claim)
-        except SideChannelError as exc:
-            raise PeerDown(f"claiming {request_id} at {host}:{port}: {exc}") from exc
-        except protocol.ProtocolError as exc:
-            raise ClaimRefused(
-                f"prefill at {host}:{port} answered a claim with garbage: {exc}"
-            ) from exc
-        if isinstance(reply, protocol.ErrorReply):
-            raise ClaimRefused(f"prefill at {host}:{port} refused the claim: {reply.message}")
-        if not isinstance(reply, protocol.ClaimReply):
-            raise ClaimRefused(f"prefill at {host}:{port} answered a claim with {reply}")
-        return reply
+        blocks = sum(len(ids) for ids in local_ids)
+        # verify_kv digests whole blocks: a TP pairing that reads head slices goes unchecked
+        # (``transfer.shards`` refuses it when verify_kv was asked for explicitly)
+        verify = self.digester is not None and not peer.sliced
+        return Plan(local_ids, remote_ids, rows, blocks, verify)
 
     def _post(self, read: Read, peer: Peer) -> None:
         """Post the READ: packed (between the two staging slots, then a scatter) when
@@ -365,26 +311,40 @@ class KVSink:
         read.mark("posted")
         failpoint("sink.read_posted")
 
-    def _landed(self, read: Read) -> None:
-        """After the READ: a packed request is scattered into its blocks (a few copy
-        kernels, waited for here: reporting it one step later would cost a whole step)."""
-        t = read.transfer
-        if t is not None and t.packed is not None and t.slot is not None and self.packer:
+    def _land(self, read: Read) -> None:
+        """The READ is done: a packed request is scattered into its blocks and, with
+        ``verify_kv``, decode digests its blocks after that, both on the device; neither
+        is waited for here (``Landing.ready`` is asked while the read is watched)."""
+        t, plan = read.transfer, read.plan
+        assert t is not None and plan is not None
+        scatter = None
+        if t.packed is not None and t.slot is not None and self.packer:
             self.transport.release(t.handle)
             t.handle = None
             failpoint("sink.before_scatter")
             s = t.packed.scatter
-            self.packer.scatter(s[:, 0], s[:, 2], t.slot + s[:, 1]).wait()
+            scatter = self.packer.scatter(s[:, 0], s[:, 2], t.slot + s[:, 1])
+        digests = None
+        if self.digester is not None and plan.verify:
+            digests = self.digester.start(self.topology, plan.local_ids, after=scatter)
+        read.landing = Landing(scatter, digests)
+        read.phase = Phase.LAND
+
+    def _landed(self, read: Read) -> None:
+        """The scatter is done: the staging slot serves the next read."""
+        t = read.transfer
+        if t is not None and t.slot is not None and self.packer is not None:
             self.packer.staging.release(t.slot)
             t.slot = None
 
     def _verify(self, read: Read) -> None:
         """``verify_kv``: decode's blocks, as vLLM will read them, against prefill's digests."""
-        if self.digester is None:
+        if read.plan is None or not read.plan.verify:
             return
-        assert read.plan is not None and read.grant is not None and read.grant.digests
+        assert read.grant is not None and read.grant.digests
+        assert read.landing is not None and read.landing.digests is not None
         plan, digests = read.plan, read.grant.digests
-        local = self.digester.start(self.topology, plan.local_ids).result()
+        local = read.landing.digests.result()
         remote = {n: np.frombuffer(v, dtype="<u8") for n, v in digests.layers.items()}
         compared, found = compare(
             self.topology, plan.local_ids, plan.remote_ids, local, digests.block_ids, remote

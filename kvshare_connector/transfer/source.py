@@ -199,7 +199,8 @@ class KVSource:
                     if request_id in self._released or request_id in self._freed:
                         gone.append(request_id)
                     continue
-                reason = self._refusal(request_id, record, claim)
+                token = claim.tokens.get(request_id, claim.token)
+                reason = self._refusal(request_id, record, claim, token)
                 if reason:
                     refused[request_id] = reason
                     self._refused["refused_claims"] += 1
@@ -207,7 +208,7 @@ class KVSource:
                     continue
                 if record.reader is None:  # TP: several decode ranks read it
                     record.readers_left = min(max(claim.readers, 1), protocol.MAX_TP)
-                record.reader = claim.token
+                record.reader = token
                 record.deadline = max(record.deadline, deadline)
                 held.append(request_id)
                 ages[request_id] = round(now - record.since, 6)
@@ -227,11 +228,14 @@ class KVSource:
             failpoint("source.claim_answered")
         return reply
 
-    def _refusal(self, request_id: str, record: _Held, claim: protocol.Claim) -> str | None:
-        """Why ``claim`` may not read held ``request_id``, or None. Caller holds the lock."""
-        if not claim.token:
+    def _refusal(
+        self, request_id: str, record: _Held, claim: protocol.Claim, token: str
+    ) -> str | None:
+        """Why ``claim`` (its reader's ``token``) may not read held ``request_id``, or None.
+        Caller holds the lock."""
+        if not token:
             return "the claim carries no reader token"
-        if record.reader is not None and record.reader != claim.token:
+        if record.reader is not None and record.reader != token:
             return (
                 f"request {request_id} is already claimed by another decode (engine "
                 f"{claim.engine_id[:100]} asked): one reader per request, a retry or second "
@@ -424,6 +428,10 @@ def _over_caps(message: protocol.SideMessage) -> str | None:
     if len(ids) > protocol.MAX_IDS_PER_MESSAGE:
         return f"{len(ids)} request ids in one message (at most {protocol.MAX_IDS_PER_MESSAGE})"
     names = [*ids, getattr(message, "engine_id", ""), getattr(message, "token", "")]
+    if isinstance(message, protocol.Claim):
+        if not set(message.tokens) <= set(ids):
+            return "claim tokens for requests the claim does not name"
+        names.extend(message.tokens.values())
     if isinstance(message, protocol.Hello):
         names.append(message.expect_engine_id or "")
     if any(len(n) > protocol.MAX_ID_CHARS for n in names):

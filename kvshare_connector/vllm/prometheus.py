@@ -80,7 +80,7 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
         self.phases = self._histogram_cls(
             name="vllm:kvshare_load_phase_seconds",
             documentation="Where a KV load's time goes: seconds from decode's load order to "
-            "each phase (claimed, posted, landed, verified, reported); prefill_held: how "
+            "each phase (claimed, posted, arrived, landed, verified, reported); prefill_held: how "
             "long prefill held the request before decode's claim came.",
             buckets=_SECONDS_BUCKETS,
             labelnames=[*labelnames, "phase"],

@@ -204,7 +204,7 @@ class LMCacheBackend(Backend):
         self.config = LMCacheBackendConfig.from_extra_config(
             {"backend": options.backend, "lmcache": options.lmcache or {}}
         )
-        if options.verify_kv:
+        if options.verify_kv:  # asked for (its default, none, means off here)
             # Not silently off: a user who asked for verified loads must not get unverified.
             raise ValueError(
                 "verify_kv is a feature of the nixl backend; the lmcache backend cannot "

@@ -1,0 +1,143 @@
+"""Decode's claims: ask prefill to keep a request's blocks for this one reader, and read
+its answer as a ``Grant``, a retry ("not held yet") or the error that ends the read.
+
+A step's reads from one prefill are claimed in one message (``reads.claim_batches``): with
+one ask per request they queued on the prefill's two ask threads, and the last of sixteen
+concurrent requests waited for fifteen round trips before its READ.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import CancelledError
+
+from kvshare_connector.layout.verification import VerificationError
+from kvshare_connector.transfer import protocol
+from kvshare_connector.transfer.nixl import TransportError
+from kvshare_connector.transfer.peers import HandshakeError, Peers
+from kvshare_connector.transfer.reads import Grant, Read, ReadOrder, claim_batches
+from kvshare_connector.transfer.settings import EngineSettings
+from kvshare_connector.transfer.side_channel import SideChannelError
+
+NOT_HELD_RETRY_S = 0.01  # "not held yet": ask again this much later
+
+
+class PeerDown(HandshakeError):
+    """Prefill did not answer a claim (dead, or unreachable)."""
+
+
+class ClaimRefused(HandshakeError):
+    """Prefill refused this decode's claim (another reader, or blocks it does not hold)."""
+
+
+class Claims:
+    """Collects the reads that need a claim during one ``KVSink.advance``, asks for them
+    (``send``), and turns each answer into the read's ``Grant`` (``grant``)."""
+
+    def __init__(self, peers: Peers, settings: EngineSettings, packed: bool):
+        self.peers = peers
+        self.settings = settings
+        self.packed = packed  # this reader can take packed requests
+        self._due: list[Read] = []
+
+    def grant(self, read: Read) -> Grant | None:
+        """Prefill's grant once it confirmed it holds the blocks for this reader (and
+        extended their lease); None while the answer is not in (or not asked yet).
+
+        Prefill's scheduler hands a finished request to its worker one step after it
+        returned the request's kv_transfer_params, so "not held yet" is retried until the
+        handshake bound; "gone" (read or lease expired) fails the request before any read.
+        """
+        p = read.order.params
+        if read.claim is None:
+            if time.monotonic() >= read.next_claim:
+                self._due.append(read)  # asked with the step's other claims (``send``)
+            return None
+        if not read.claim.done():
+            return None
+        future, read.claim = read.claim, None
+        try:
+            reply = future.result()
+        except CancelledError:
+            raise HandshakeError(
+                f"prefill {p.remote_engine_id} was evicted before the claim of request "
+                f"{p.remote_request_id} could be asked"
+            ) from None
+        rid = p.remote_request_id
+        if rid in reply.refused:
+            raise ClaimRefused(
+                f"prefill {p.remote_engine_id} refused the claim of request {rid}: "
+                f"{reply.refused[rid]}"
+            )
+        if rid in reply.held:
+            if read.plan is not None and read.plan.verify and rid not in reply.digests:
+                raise VerificationError(
+                    f"prefill {p.remote_engine_id} sent no KV digests for request {rid}: "
+                    "verify_kv must be on for prefill too"
+                )
+            return Grant(reply.packed.get(rid), reply.digests.get(rid), reply.held_s.get(rid))
+        if rid in reply.gone:
+            raise TransportError(
+                f"prefill {p.remote_engine_id} no longer holds request {rid}'s blocks (read "
+                "already, or its lease expired)"
+            )
+        if time.monotonic() - read.created > self.settings.handshake_timeout_s:
+            raise HandshakeError(
+                f"prefill {p.remote_engine_id} never held request {rid} within "
+                f"{self.settings.handshake_timeout_s:g} s"
+            )
+        read.next_claim = time.monotonic() + NOT_HELD_RETRY_S
+        return None
+
+    def send(self) -> dict[str, Exception]:
+        """Ask each prefill once for every read that became due since the last call;
+        returns the reads whose claim could not even be queued (e.g. the sink is closing)."""
+        due, self._due = self._due, []
+        failed: dict[str, Exception] = {}
+        for batch in claim_batches(due):
+            p = batch[0].order.params
+            key = (p.remote_host, p.remote_port)
+            try:
+                verify = batch[0].plan is not None and batch[0].plan.verify
+                future = self.peers.submit(key, self._ask, [r.order for r in batch], verify)
+            except Exception as exc:
+                failed.update((r.request_id, exc) for r in batch)
+                continue
+            for read in batch:
+                read.claim = future
+        return failed
+
+    def _ask(self, orders: list[ReadOrder], verify: bool) -> protocol.ClaimReply:
+        """One claim naming every order (on the prefill's ask thread); ``verify``: ask for
+        prefill's digests of them."""
+        p = orders[0].params
+        host, port = p.remote_host, p.remote_port
+        ids = [o.params.remote_request_id for o in orders]
+        claim = protocol.Claim(
+            protocol.PROTOCOL_VERSION,
+            self.settings.engine_id,
+            ids,
+            self.settings.transfer_timeout_s + 5,
+            tokens={o.params.remote_request_id: o.token for o in orders},
+            block_ids={  # all that prefill holds for each
+                o.params.remote_request_id: [list(b) for b in o.params.remote_block_ids]
+                for o in orders
+            },
+            packed=self.packed,
+            verify=verify,
+            readers=orders[0].readers,
+        )
+        try:
+            reply = self.peers.ask((host, port), p.remote_engine_id, claim)
+        except SideChannelError as exc:
+            what = ids[0] if len(ids) == 1 else f"{len(ids)} requests ({ids[0]}, ...)"
+            raise PeerDown(f"claiming {what} at {host}:{port}: {exc}") from exc
+        except protocol.ProtocolError as exc:
+            raise ClaimRefused(
+                f"prefill at {host}:{port} answered a claim with garbage: {exc}"
+            ) from exc
+        if isinstance(reply, protocol.ErrorReply):
+            raise ClaimRefused(f"prefill at {host}:{port} refused the claim: {reply.message}")
+        if not isinstance(reply, protocol.ClaimReply):
+            raise ClaimRefused(f"prefill at {host}:{port} answered a claim with {reply}")
+        return reply
