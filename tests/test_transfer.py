@@ -44,8 +44,8 @@ PEER_SOURCES = with_defaults([
      "seed": 400},
     {"name": "e2b_pl", "model": E2B, "layout": "per_layer", "requests": 1, "seed": 500},
     # Packs each held request into a staging area: read as a few large runs.
-    {"name": "e2b_packed", "model": E2B, "layout": "kvcached_contiguous", "requests": 4,
-     "seed": 800, "packed_mib": 16},
+    {"name": "e2b_packed", "model": E2B, "layout": "kvcached_contiguous", "requests": 6,
+     "seed": 800, "packed_mib": 40},
     # Says which model it runs: decode compares the identity with its own.
     {"name": "ident", "model": "g4tiny", "layout": "per_layer", "requests": 2, "seed": 700,
      "identity": {"model": "google/gemma-4-E2B-it", "model_config_hash": "c0ffee",
@@ -237,7 +237,7 @@ def test_a_packed_read_is_reported_only_once_its_scatter_is_done(peer, decoders,
 
     monkeypatch.setattr(packed.sink.packer, "scatter", scatter_running)
     monkeypatch.setattr(packed.sink, "poll", watched_poll)
-    request = peer.source("e2b_packed")["requests"][2]
+    request = peer.source("e2b_packed")["requests"][5]
     local_ids = request_block_ids(packed.topology, TOKENS, seed=33)
     result = packed.read(request, local_ids, new_id("landing"))
     assert_landed(packed, result, local_ids)
