@@ -10,9 +10,12 @@ verification, to show that the transfer alone does not notice.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import time
 
+import msgspec
+import numpy as np
 import pytest
 
 from kvshare_connector.devtools import kvcheck
@@ -38,6 +41,11 @@ SOURCES = [
     {"name": "packed", "model": E2B, "layout": "kvcached_contiguous", "requests": 2,
      "seed": 20, "verify": True, "corrupt": [1], "packed_mib": 16, "kv_mib": 64},
     {"name": "plain", "model": "g4tiny", "layout": "per_layer", "requests": 1, "seed": 30},
+    # tamper cases: request 2i read with verify_kv, 2i+1 without (the negative control)
+    {"name": "tamper", "model": "g4tiny", "layout": "per_layer", "requests": 10, "seed": 40,
+     "verify": True},
+    {"name": "tamper_packed", "model": E2B, "layout": "kvcached_contiguous", "requests": 2,
+     "seed": 60, "verify": True, "packed_mib": 16, "kv_mib": 64},
 ]  # fmt: skip
 for _spec in SOURCES:
     _spec.setdefault("tokens", TOKENS)
@@ -231,3 +239,98 @@ def test_verify_kv_is_on_by_default_strict_and_the_lmcache_backend_refuses_it():
     with pytest.raises(ValueError, match="verify_kv is a feature of the nixl backend"):
         create_backend(parse({**lmcache, "verify_kv": True}))
     create_backend(parse(lmcache))  # by default it is off there, not an error
+
+
+def _first_segments(topology, local_ids, count: int = 2) -> list[tuple[int, int]]:
+    """(address, bytes) of the first segment of the first ``count`` blocks of the request
+    in its first owner layer: what the tamper cases move around."""
+    owner = topology.owners[sorted(topology.owners)[0]]
+    g = owner.geometry
+    blocks = [b for b in local_ids[owner.group] if b][:count]
+    return [(g.base + b * g.block_stride + g.segment_offsets[0], g.segment_len) for b in blocks]
+
+
+def _swap(topology, local_ids) -> None:  # reordered: two blocks trade places
+    (a, n), (b, _) = _first_segments(topology, local_ids)
+    first, second = ctypes.string_at(a, n), ctypes.string_at(b, n)
+    ctypes.memmove(a, second, n)
+    ctypes.memmove(b, first, n)
+
+
+def _tear(topology, local_ids) -> None:  # torn: the second half of a block never came
+    (a, n), _ = _first_segments(topology, local_ids)
+    ctypes.memset(a + n // 2, 0, n - n // 2)
+
+
+def _stale(topology, local_ids) -> None:  # stale: a block still holds other KV
+    (a, n), (b, _) = _first_segments(topology, local_ids)
+    ctypes.memmove(a, ctypes.string_at(b, n), n)
+
+
+@pytest.mark.parametrize("index", [0, 1, 2], ids=["reordered", "torn", "stale"])
+def test_reordered_torn_and_stale_blocks_fail_the_load(peer, decodes, monkeypatch, index):
+    """Decode's blocks after the READ, changed the way a faulty transfer would leave them:
+    the control (no verify_kv) reports the load done on wrong KV; verify_kv fails it."""
+    tamper = (_swap, _tear, _stale)[index]
+    outcomes = {}
+    for verify in (False, True):
+        decode = decodes("g4tiny", "per_layer", verify=verify)
+        land = decode.sink._land
+
+        def tampered_then_landed(read, land=land, decode=decode):
+            tamper(decode.topology, read.local_read)
+            land(read)
+
+        monkeypatch.setattr(decode.sink, "_land", tampered_then_landed)
+        request = peer.request("tamper", 2 * index + (0 if verify else 1))
+        outcomes[verify], _ = decode.read(request, 20 + index, f"tamper-{index}-{verify}")
+        monkeypatch.undo()
+    control, verified = outcomes[False], outcomes[True]
+    assert control.done and control.mismatches  # wrong KV, and nothing noticed
+    assert not verified.done and "differs from prefill block" in verified.failure
+
+
+def test_a_read_of_another_requests_blocks_fails_the_load(peer, decodes, monkeypatch):
+    """The claim names the request's own blocks (and is granted), but the READ takes
+    another request's: what a descriptor bug or a mixed-up block table would do."""
+    outcomes = {}
+    for verify in (False, True):
+        decode = decodes("g4tiny", "per_layer", verify=verify)
+        other = peer.request("tamper", 6 if verify else 7)["kv_transfer_params"]
+        plan = decode.sink._plan
+
+        def wrong_plan(order, peer_, plan=plan, other=other):
+            params = msgspec.structs.replace(
+                order.params, remote_block_ids=other["remote_block_ids"]
+            )
+            right = plan(order, peer_)
+            return dataclasses.replace(
+                plan(dataclasses.replace(order, params=params), peer_),
+                remote_ids=right.remote_ids,
+            )
+
+        monkeypatch.setattr(decode.sink, "_plan", wrong_plan)
+        request = peer.request("tamper", 8 if verify else 9)
+        outcomes[verify], _ = decode.read(request, 30, f"wrong-request-{verify}")
+        monkeypatch.undo()
+    assert outcomes[False].done and outcomes[False].mismatches
+    assert not outcomes[True].done and "differs from prefill block" in outcomes[True].failure
+
+
+def test_a_scatter_into_the_wrong_blocks_fails_the_load(peer, decodes, monkeypatch):
+    """A packed read lands whole in staging, then the scatter writes each run one run
+    off: decode's digests of its blocks (not of the staging bytes) catch it."""
+    outcomes = {}
+    for verify in (False, True):
+        decode = decodes(E2B, "per_layer", verify=verify, packed_mib=16, kv_mib=48)
+        scatter = decode.sink.packer.scatter
+
+        def shifted(addr, length, slot_offsets, scatter=scatter):
+            return scatter(np.roll(addr, 1), np.roll(length, 1), slot_offsets)
+
+        monkeypatch.setattr(decode.sink.packer, "scatter", shifted)
+        request = peer.request("tamper_packed", 0 if verify else 1)
+        outcomes[verify], _ = decode.read(request, 40, f"wrong-scatter-{verify}")
+        monkeypatch.undo()
+    assert outcomes[False].done and outcomes[False].packed and outcomes[False].mismatches
+    assert not outcomes[True].done and "differs from prefill block" in outcomes[True].failure
