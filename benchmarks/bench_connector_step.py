@@ -2,7 +2,7 @@
 """What KVShareConnector adds to each engine step on the decode side, on the CPU.
 
 A decode engine (vLLM's real Scheduler + our connector in both roles, over vLLM-made KV
-tensors, ``tests/support/engine_sim.py``) takes ``--requests`` requests prefilled by another
+tensors, ``devtools/engine_sim.py``) takes ``--requests`` requests prefilled by another
 process, READs their KV over NIXL and decodes ``--tokens-out`` tokens each. Every connector
 method vLLM calls (scheduler side, from inside ``Scheduler.schedule`` / ``update_from_output``;
 worker side, where the model runner calls them) is timed, and set against the whole step
@@ -30,7 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.support.engine_sim import READY, Engine, start_prefill  # noqa: E402
+from kvshare_connector.devtools.engine_sim import READY, Engine, start_prefill  # noqa: E402
 
 # What vLLM 0.26 calls on a connector during a step (scheduler side, then worker side).
 SCHEDULER_HOOKS = (

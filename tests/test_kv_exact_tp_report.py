@@ -13,9 +13,8 @@ import pytest
 from kvshare_connector.devtools.cpu_stack import build_cpu_stack, topology_of
 from kvshare_connector.devtools.demo import requests_block_ids
 from kvshare_connector.devtools.headcheck import fill_heads
+from kvshare_connector.devtools.kv_digests import head_record, rank_path
 from kvshare_connector.transfer.shards import rank_shard
-
-from .support.kv_probe_tp import head_record, rank_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "gpu"))
 import kv_exact_tp

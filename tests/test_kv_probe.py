@@ -19,17 +19,16 @@ from typing import Any
 import pytest
 
 from kvshare_connector.devtools import kvcheck
-from kvshare_connector.toolkit.procs import pick_free_port
-from kvshare_connector.vllm import compat
-from kvshare_connector.vllm.adapter import cross_layer_views
-
-from .support.kv_probe import (
+from kvshare_connector.devtools.kv_digests import (
     compare,
     needed_from,
     positions_of,
     request_record,
     scrambled,
 )
+from kvshare_connector.toolkit.procs import pick_free_port
+from kvshare_connector.vllm import compat
+from kvshare_connector.vllm.adapter import cross_layer_views
 
 E2B = "gemma4_e2b_shape"
 TOKENS = 1300  # > the 512-token sliding window: sliding groups hold only a tail
@@ -326,9 +325,9 @@ def _probe_pd(tmp_path: Path, prefill_layout: str, model: str, extra: dict) -> l
     """Prefill 3 requests, decode them (the last scrambled); each decode request compared."""
     import json
 
-    from .support.engine_sim import Engine, decode_requests
+    from kvshare_connector.devtools.engine_sim import Engine, decode_requests
 
-    probe = {"connector": "KVProbeConnector", "module_path": "tests.support.kv_probe"}
+    probe = {"connector": "KVProbeConnector", "module_path": "kvshare_connector.devtools.kv_probe"}
     made = []
     try:
         config = {**extra, "kv_lease_duration": 60, "kv_probe": {"out": str(tmp_path / "p")}}
@@ -388,7 +387,8 @@ def test_probe_connector_nixl_pd(tmp_path, model, prefill_layout):
 def test_probe_connector_lmcache_pd(tmp_path, monkeypatch):
     """LMCache backend: prefill digests what it stores (it holds no blocks for decode)."""
     pytest.importorskip("lmcache")
-    from .support.engine_sim import lmcache_extra
+    from kvshare_connector.devtools.engine_sim import lmcache_extra
+
     from .support.lmcache_util import QUIET_ENV, running_lm_server
 
     monkeypatch.setenv("PYTHONHASHSEED", "0")

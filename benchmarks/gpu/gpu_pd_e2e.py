@@ -154,7 +154,7 @@ def kv_transfer_config(cell: dict[str, Any], role: str, work: Path) -> dict[str,
             # Loads go by the prompt's tokens (no block ids to point elsewhere): the
             # negative control skips them instead, through this pass-through subclass.
             kv_config["kv_connector"] = "LoadSkippingConnector"
-            kv_config["kv_connector_module_path"] = "tests.support.negative_control"
+            kv_config["kv_connector_module_path"] = "kvshare_connector.devtools.negative_control"
     return kv_config
 
 
@@ -328,7 +328,7 @@ def spawn(
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "PYTHONUNBUFFERED": "1",
-        # The repo root: the package, and tests.support.negative_control for LMCache cells.
+        # The repo root: the package, and devtools.negative_control for LMCache cells.
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
     }
     # Own process group per engine: kvcached names its IPC segments after it.

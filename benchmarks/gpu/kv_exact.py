@@ -3,7 +3,7 @@
 layer and KV cache group, and sharing layers read their target's bytes.
 
 Each cell runs a prefill ``vllm.LLM`` on GPU 0 and a decode one on GPU 1 (``--gpus 1``: both
-on GPU 0) with ``tests.support.kv_probe.KVProbeConnector``: random-init real weights, four
+on GPU 0) with ``devtools.kv_probe.KVProbeConnector``: random-init real weights, four
 token-id prompts longer than the sliding window. Prefill digests each request's blocks when
 it holds them for decode (LMCache: when it stores them); decode digests its blocks when the
 load finished, before any forward. A second batch, loaded with each group's block ids
@@ -104,7 +104,7 @@ def engine_main(args: argparse.Namespace) -> None:
         extra.update(backend="lmcache", lmcache={"remote_url": url, "load_timeout_s": 60})
     kv_config = {
         "kv_connector": "KVProbeConnector",
-        "kv_connector_module_path": "tests.support.kv_probe",
+        "kv_connector_module_path": "kvshare_connector.devtools.kv_probe",
         "kv_role": "kv_producer" if args.role == "prefill" else "kv_consumer",
         "kv_connector_extra_config": extra,
     }
@@ -298,7 +298,7 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
 
 def check_cell(work: Path, cell: dict[str, Any]) -> dict[str, Any]:
     """Every decode record against prefill's record of the same request."""
-    from tests.support.kv_probe import compare
+    from kvshare_connector.devtools.kv_digests import compare
 
     prefill = {r["request_id"]: r for r in _jsonl(work / "prefill.jsonl")}
     decoded = _jsonl(work / "decode.jsonl")

@@ -3,7 +3,7 @@
 
 ``kv_exact.py``'s check with TP engines: a prefill ``vllm.LLM`` with ``tensor_parallel_size``
 P and a decode one with D, both KVShareConnector through
-``tests.support.kv_probe_tp.KVProbeTPConnector`` (random-init real weights, four token-id
+``kvshare_connector.devtools.kv_probe.KVProbeTPConnector`` (random-init real weights, four token-id
 prompts longer than the sliding window). Every TP rank digests every (layer, KV head,
 block) under the head's global index; decode's digest of each head it holds must equal the
 one of the prefill rank that head was read from (replicated heads: decode rank d reads
@@ -104,7 +104,7 @@ def engine_main(args: argparse.Namespace) -> None:
     tp = cell["prefill_tp"] if args.role == "prefill" else cell["decode_tp"]
     kv_config = {
         "kv_connector": "KVProbeTPConnector",
-        "kv_connector_module_path": "tests.support.kv_probe_tp",
+        "kv_connector_module_path": "kvshare_connector.devtools.kv_probe",
         "kv_role": "kv_producer" if args.role == "prefill" else "kv_consumer",
         "kv_connector_extra_config": {
             "kv_lease_duration": args.hold_s,
@@ -190,8 +190,7 @@ def _ranks(work: Path, side: str, tp: int) -> list[dict[str, list[dict[str, Any]
 def check_cell(work: Path, cell: dict[str, Any]) -> dict[str, Any]:
     """Each decode rank's record of each request against prefill's ranks, merged with the
     rank that decode rank reads replicated heads from first; summed per request."""
-    from tests.support.kv_probe import compare
-    from tests.support.kv_probe_tp import merge_ranks
+    from kvshare_connector.devtools.kv_digests import compare, merge_ranks
 
     p_tp, d_tp = cell["prefill_tp"], cell["decode_tp"]
     prefill, decode = _ranks(work, "prefill", p_tp), _ranks(work, "decode", d_tp)
