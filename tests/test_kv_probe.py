@@ -1,6 +1,6 @@
 """The KV probe's digests and comparison on KV memory laid out as vLLM 0.26 lays it out.
 
-What the GPU driver (benchmarks/gpu/kv_exact.py) concludes rests on these: a faithful copy
+What the GPU driver (gpu_checks/kv_exact.py) concludes rests on these: a faithful copy
 of every block compares equal across physical layouts (per-layer, kvcached, cross-layer),
 blocks aligned per group at the tail with null blocks skipped; the scrambled negative
 control, a single flipped byte and a sharer that reads the wrong owner are each reported
@@ -9,7 +9,6 @@ with their location; and bytes outside the request's tokens do not count.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 from collections.abc import Sequence
@@ -270,12 +269,9 @@ def test_positions_scramble_and_needed_from():
 
 
 def _driver() -> Any:
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "kv_exact.py"
-    spec = importlib.util.spec_from_file_location("kv_exact", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from gpu_checks import kv_exact
+
+    return kv_exact
 
 
 def test_driver_verdicts(stack_topology, tmp_path, monkeypatch):
