@@ -20,15 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvshare_connector.layout.topology import (
-    BLOCK,
-    CONTENT,
-    DIM,
-    HEAD,
-    KV,
-    TOKEN,
-    KVTopology,
-)
+from kvshare_connector.layout.topology import BLOCK, CONTENT, DIM, HEAD, KV, TOKEN, KVTopology
 
 NULL_BLOCK = 0
 CANONICAL = (BLOCK, TOKEN, HEAD, KV, DIM, CONTENT)
@@ -255,7 +247,7 @@ def head_record(
     num_tokens: int,
     **fields: Any,
 ) -> dict[str, Any]:
-    """``kv_probe.request_record`` one local head at a time, keyed ``layer#h<global>``."""
+    """``request_record`` one local head at a time, keyed ``layer#h<global>``."""
     counts = {g.count for g in shard.groups}
     if len(counts) != 1:
         raise ValueError(f"per-head digests need one head count per rank, got {counts}")
