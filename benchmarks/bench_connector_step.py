@@ -2,7 +2,7 @@
 """What KVShareConnector adds to each engine step on the decode side, on the CPU.
 
 A decode engine (vLLM's real Scheduler + our connector in both roles, over vLLM-made KV
-tensors, ``tests/support/engine_sim.py``) takes ``--requests`` requests prefilled by another
+tensors, ``devtools/engine_sim.py``) takes ``--requests`` requests prefilled by another
 process, READs their KV over NIXL and decodes ``--tokens-out`` tokens each. Every connector
 method vLLM calls (scheduler side, from inside ``Scheduler.schedule`` / ``update_from_output``;
 worker side, where the model runner calls them) is timed, and set against the whole step
@@ -12,7 +12,7 @@ tokens on the H200 took 0.34-0.58 s, ~14-24 ms a step (results/gpu/2026-11-29c).
 per-layer hooks (``wait_for_layer_load``, ``save_kv_layer``) are empty in ours, as in vLLM's
 NixlConnector, and are not timed.
 
-    .venv/bin/python benchmarks/bench_connector_step.py [--requests 4] [--tokens-out 64]
+    .venv/bin/python -m benchmarks.bench_connector_step [--requests 4] [--tokens-out 64]
         [--json out.json]
 """
 
@@ -21,16 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from kvshare_connector.devtools.engine_sim import READY, Engine, start_prefill
 
-from tests.support.engine_sim import READY, Engine, start_prefill  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 # What vLLM 0.26 calls on a connector during a step (scheduler side, then worker side).
 SCHEDULER_HOOKS = (

@@ -13,7 +13,7 @@ The geometry (groups, block sizes, strides) comes from vLLM's own objects for th
 E2B-shaped config; only the block count is scaled, on synthetic addresses (200k blocks
 of E2B are 19 GiB), since descriptor math never touches the bytes.
 
-    .venv/bin/python benchmarks/bench_descriptors.py [--blocks 200000] [--request 2000]
+    .venv/bin/python -m benchmarks.bench_descriptors [--blocks 200000] [--request 2000]
 """
 
 from __future__ import annotations

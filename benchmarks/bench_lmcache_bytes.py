@@ -10,7 +10,7 @@ For each Gemma-4 shaped model, on vLLM's real KV objects (``cpu_stack``, CPU onl
   one prompt of ``--tokens`` tokens, divided by the tokens (sliding-window groups are
   stored only from their window, so long prompts cost less than the row width).
 
-    .venv/bin/python benchmarks/bench_lmcache_bytes.py [--tokens 1000] [--json out.json]
+    .venv/bin/python -m benchmarks.bench_lmcache_bytes [--tokens 1000] [--json out.json]
 """
 
 from __future__ import annotations

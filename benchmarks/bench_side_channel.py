@@ -8,7 +8,7 @@ attack runs in a loop for ``--seconds`` while one legitimate client does signed 
 and claims; then the target reports its longest ``poll()`` and its refusals. A baseline
 row runs the legitimate client alone.
 
-    .venv/bin/python benchmarks/bench_side_channel.py --seconds 10 --out results/cpu/DATE
+    .venv/bin/python -m benchmarks.bench_side_channel --seconds 10 --out results/cpu/DATE
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ The first and the last round read into zeroed memory and are verified: every blo
 every owner holds the byte prefill wrote for its owner and position (a sanity check;
 tests/test_transfer.py checks full patterns on every layer).
 
-    .venv/bin/python benchmarks/bench_transfer.py [--tokens 65536] [--gib 1.0] [--repeat 7]
+    .venv/bin/python -m benchmarks.bench_transfer [--tokens 65536] [--gib 1.0] [--repeat 7]
         [--warmup 2] [--progress-thread on|off]
         [--decode-progress-thread on|off] [--json results.json]
 """
@@ -30,14 +30,17 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-from copy_references import idle_cpu, summary, time_cma, time_memcpy, time_memmove
 
+from benchmarks.copy_references import idle_cpu, summary, time_cma, time_memcpy, time_memmove
 from kvshare_connector.devtools.demo import blocks_per_group, cpu_packer, requests_block_ids
 from kvshare_connector.transfer.nixl import PROGRESS_THREAD_ENV
 from kvshare_connector.transfer.settings import EngineSettings
+
+ROOT = Path(__file__).resolve().parents[1]  # children run as -m benchmarks.bench_transfer
 
 MODEL = "gemma4_e2b_shape"
 LAYOUT = "per_layer"
@@ -165,7 +168,8 @@ def run_prefill(args: argparse.Namespace) -> int:
 def spawn_prefill(args: argparse.Namespace, kv_mib: int, batch: int) -> subprocess.Popen:
     cmd = [
         sys.executable,
-        os.path.abspath(__file__),
+        "-m",
+        "benchmarks.bench_transfer",
         "--role",
         "prefill",
         "--tokens",
@@ -186,6 +190,7 @@ def spawn_prefill(args: argparse.Namespace, kv_mib: int, batch: int) -> subproce
         stderr=subprocess.DEVNULL if not args.verbose else None,
         text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        cwd=ROOT,
     )
 
 

@@ -19,11 +19,10 @@ from typing import Any
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+from benchmarks.gpu import bench_serving as bs
+from benchmarks.gpu import serving_report as sr
 
-import bench_serving as bs  # noqa: E402
-import serving_report as sr  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 FAKE = ROOT / "tests" / "support" / "fake_vllm_server.py"
 FAKE_CMD = (
@@ -418,13 +417,13 @@ def test_sigterm_stops_servers_and_bench(tmp_path: Path, model_dir: Path) -> Non
     tok.mkdir()
     base = free_port_run(bs.PORT_STRIDE)
     cmd = [
-        sys.executable, str(ROOT / "benchmarks/gpu/bench_serving.py"), "--out", str(out),
+        sys.executable, "-m", "benchmarks.gpu.bench_serving", "--out", str(out),
         "--model-dir", str(model_dir), "--tokenizer", str(tok), "--deployments", "ours",
         "--warmup-requests", "0", "--server-cmd", FAKE_CMD, "--base-port", str(base),
         "--bench-cmd", "{python} -c 'import time; time.sleep(300)'",
         "--side-channel-port", str(pick_free_port()), "--grace", "5",
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         deadline = time.monotonic() + 60
         while not (out / "raw" / "logs" / "bench").exists():

@@ -1,7 +1,7 @@
 """KVShareConnector inside vLLM's own machinery: factory, scheduler, worker hooks, NIXL.
 
 The two-process tests run vLLM's real ``Scheduler`` with the connector in both roles and
-drive the worker side the way the model runner does (``tests/support/engine_sim.py``); only the
+drive the worker side the way the model runner does (``devtools/engine_sim.py``); only the
 model forward is emulated (it writes a known pattern into the blocks vLLM allocated).
 """
 
@@ -13,9 +13,14 @@ from typing import Any
 
 import pytest
 
+from kvshare_connector.devtools.engine_sim import (
+    READY,
+    RESULT,
+    Engine,
+    decode_requests,
+    start_prefill,
+)
 from kvshare_connector.toolkit.procs import pick_free_port
-
-from .support.engine_sim import READY, RESULT, Engine, decode_requests, start_prefill
 
 ROOT = str(Path(__file__).resolve().parents[1])
 
@@ -189,7 +194,8 @@ def test_pd_through_lmcache_backend(monkeypatch, engines):
     """Prefill stores owner layers' KV in LMCache (an lm:// server) in the step that computes
     it and holds no blocks; decode loads it into its own blocks through vLLM's scheduler."""
     pytest.importorskip("lmcache")
-    from .support.engine_sim import lmcache_extra
+    from kvshare_connector.devtools.engine_sim import lmcache_extra
+
     from .support.lmcache_util import QUIET_ENV, running_lm_server
 
     monkeypatch.setenv("PYTHONHASHSEED", "0")  # both sides: LMCache's hash chain seed
@@ -222,7 +228,7 @@ def test_pd_through_lmcache_backend(monkeypatch, engines):
                 pick_free_port(),
                 lmcache_extra(url),
                 connector="LoadSkippingConnector",
-                module_path="tests.support.negative_control",
+                module_path="kvshare_connector.devtools.negative_control",
             )
             # (decode's scheduler turned do_remote_prefill off in the params it was given)
             again = dict(ready["requests"]["p0"]["kv_transfer_params"], do_remote_prefill=True)

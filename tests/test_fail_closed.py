@@ -131,7 +131,7 @@ def test_decode_scheduler_refuses_another_prompt_and_computes_it_locally():
     """vLLM's real Scheduler: a digest of another prompt fails the load before any
     handshake (nothing listens at remote_port); a request without a digest is accepted
     (and fails at the unreachable prefill instead)."""
-    from .support.engine_sim import Engine, decode_requests, make_request
+    from kvshare_connector.devtools.engine_sim import Engine, decode_requests, make_request
 
     decode = Engine(
         "g4tiny",

@@ -12,13 +12,12 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.gpu import bench_pd_gpu
+from gpu_checks import gpu_pd_e2e_report as e2e_report
+from gpu_checks import processes as driver_processes
+
 ROOT = Path(__file__).resolve().parent.parent
 RAW = ROOT / "results" / "gpu" / "2026-11-29b" / "raw"
-sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
-
-import bench_pd_gpu  # noqa: E402
-import driver_processes  # noqa: E402
-import gpu_pd_e2e_report as e2e_report  # noqa: E402
 
 
 def test_reads_are_attributed_to_their_batches():
@@ -236,13 +235,13 @@ def test_sigterm_to_the_driver_stops_its_engines():
         [
             sys.executable,
             "-c",
-            "import subprocess, sys, time; sys.path.insert(0, sys.argv[1]);"
-            "import driver_processes as e;"
+            "import subprocess, time;"
+            "import gpu_checks.processes as e;"
             "e.stop_with_the_driver();"
             "p = e.started(subprocess.Popen(['sleep', '60'], start_new_session=True));"
             "print(p.pid, flush=True); time.sleep(60)",
-            str(ROOT / "benchmarks" / "gpu"),
         ],
+        cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -5,18 +5,15 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 
+from gpu_checks import kv_exact, kv_outputs
+
 ROOT = Path(__file__).resolve().parent.parent
 RAW = ROOT / "results" / "gpu" / "2026-11-30" / "raw" / "kv_exact" / "kvx1.tgz"
-sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
-
-import kv_exact  # noqa: E402
-import kv_outputs  # noqa: E402
 
 CELL = {**kv_exact.CELLS["e2b/plain"], "verify": True}
 

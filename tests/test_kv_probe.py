@@ -1,6 +1,6 @@
 """The KV probe's digests and comparison on KV memory laid out as vLLM 0.26 lays it out.
 
-What the GPU driver (benchmarks/gpu/kv_exact.py) concludes rests on these: a faithful copy
+What the GPU driver (gpu_checks/kv_exact.py) concludes rests on these: a faithful copy
 of every block compares equal across physical layouts (per-layer, kvcached, cross-layer),
 blocks aligned per group at the tail with null blocks skipped; the scrambled negative
 control, a single flipped byte and a sharer that reads the wrong owner are each reported
@@ -9,7 +9,6 @@ with their location; and bytes outside the request's tokens do not count.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 from collections.abc import Sequence
@@ -19,17 +18,16 @@ from typing import Any
 import pytest
 
 from kvshare_connector.devtools import kvcheck
-from kvshare_connector.toolkit.procs import pick_free_port
-from kvshare_connector.vllm import compat
-from kvshare_connector.vllm.adapter import cross_layer_views
-
-from .support.kv_probe import (
+from kvshare_connector.devtools.kv_digests import (
     compare,
     needed_from,
     positions_of,
     request_record,
     scrambled,
 )
+from kvshare_connector.toolkit.procs import pick_free_port
+from kvshare_connector.vllm import compat
+from kvshare_connector.vllm.adapter import cross_layer_views
 
 E2B = "gemma4_e2b_shape"
 TOKENS = 1300  # > the 512-token sliding window: sliding groups hold only a tail
@@ -271,12 +269,9 @@ def test_positions_scramble_and_needed_from():
 
 
 def _driver() -> Any:
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "kv_exact.py"
-    spec = importlib.util.spec_from_file_location("kv_exact", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from gpu_checks import kv_exact
+
+    return kv_exact
 
 
 def test_driver_verdicts(stack_topology, tmp_path, monkeypatch):
@@ -326,9 +321,9 @@ def _probe_pd(tmp_path: Path, prefill_layout: str, model: str, extra: dict) -> l
     """Prefill 3 requests, decode them (the last scrambled); each decode request compared."""
     import json
 
-    from .support.engine_sim import Engine, decode_requests
+    from kvshare_connector.devtools.engine_sim import Engine, decode_requests
 
-    probe = {"connector": "KVProbeConnector", "module_path": "tests.support.kv_probe"}
+    probe = {"connector": "KVProbeConnector", "module_path": "kvshare_connector.devtools.kv_probe"}
     made = []
     try:
         config = {**extra, "kv_lease_duration": 60, "kv_probe": {"out": str(tmp_path / "p")}}
@@ -388,7 +383,8 @@ def test_probe_connector_nixl_pd(tmp_path, model, prefill_layout):
 def test_probe_connector_lmcache_pd(tmp_path, monkeypatch):
     """LMCache backend: prefill digests what it stores (it holds no blocks for decode)."""
     pytest.importorskip("lmcache")
-    from .support.engine_sim import lmcache_extra
+    from kvshare_connector.devtools.engine_sim import lmcache_extra
+
     from .support.lmcache_util import QUIET_ENV, running_lm_server
 
     monkeypatch.setenv("PYTHONHASHSEED", "0")

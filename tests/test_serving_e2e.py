@@ -6,20 +6,17 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 import tarfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from benchmarks.gpu import bench_serving as bs
+from kvshare_connector.toolkit.launcher import vllm_router_available
+from kvshare_connector.toolkit.procs import free_port_run, pick_free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
-
-import bench_serving as bs  # noqa: E402
-
-from kvshare_connector.toolkit.launcher import vllm_router_available  # noqa: E402
-from kvshare_connector.toolkit.procs import free_port_run, pick_free_port  # noqa: E402
 
 FAKE = ROOT / "tests" / "support" / "fake_vllm_server.py"
 FAKE_CMD = (

@@ -5,13 +5,11 @@ back to software emulation over tcp)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+from benchmarks.gpu import serving_lanes
 
-import serving_lanes  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DIAG = ROOT / "results" / "gpu" / "2026-11-30" / "raw" / "diag"
 

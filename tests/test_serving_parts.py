@@ -6,20 +6,18 @@ long-lived bench worker (runs, failures, a timeout that kills and restarts it)."
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from benchmarks.gpu import serving_report as sr
+from benchmarks.gpu.serving import checks, faults, metrics, scaling
+from benchmarks.gpu.serving.client import BenchClient
+
+from .test_bench_serving import vllm_result
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
-
-import serving_report as sr  # noqa: E402
-from serving import checks, faults, metrics, scaling  # noqa: E402
-from serving.client import BenchClient  # noqa: E402
-
-from .test_bench_serving import vllm_result  # noqa: E402
 
 PROM = """# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
 # TYPE vllm:kv_cache_usage_perc gauge

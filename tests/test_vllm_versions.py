@@ -14,10 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvshare_connector.devtools.engine_sim import Engine
 from kvshare_connector.toolkit.procs import pick_free_port
 from kvshare_connector.vllm import compat
-
-from .support.engine_sim import Engine
 
 needs_layouts = pytest.mark.skipif(
     not compat.HAS_KV_CACHE_LAYOUT,

@@ -7,8 +7,8 @@ capable; cuMemCreate memory only with a shareable handle type UCX can export) an
 Each variant runs in two fresh child processes with their own environment, and each descriptor
 size is verified after its first READ, so a fast but wrong path cannot pass.
 
-  python benchmarks/gpu/bench_nixl_read.py --mode cpu --total-mib 64 --desc-kib 64 1024
-  python benchmarks/gpu/bench_nixl_read.py --mode gpu --ucx-info \\
+  python -m benchmarks.gpu.bench_nixl_read --mode cpu --total-mib 64 --desc-kib 64 1024
+  python -m benchmarks.gpu.bench_nixl_read --mode gpu --ucx-info \\
       --sweep-env default vis=0,1/1,0 vis=0,1/1,0+alloc=vmm vis=0,1/1,0+alloc=cumem
 
 Variant items, joined by '+': default | tls=V (UCX_TLS) | vis=T/I (CUDA_VISIBLE_DEVICES of

@@ -17,8 +17,8 @@ rotated order, and reports the median over rounds, every round's first batch, th
 kernels each run compiled (new entries in Triton's on-disk cache), and the steady ratio
 with an interval over rounds: rounds of the same cells differ by up to 1.5x on one host.
 
-    python benchmarks/gpu/bench_pd_gpu.py --out OUT [--rounds N]   # a CUDA GPU with vLLM 0.26
-    python benchmarks/gpu/bench_pd_gpu.py --report OUT [OUT ...]  # earlier runs pooled
+    python -m benchmarks.gpu.bench_pd_gpu --out OUT [--rounds N]   # a CUDA GPU with vLLM 0.26
+    python -m benchmarks.gpu.bench_pd_gpu --report OUT [OUT ...]  # earlier runs pooled
 """
 
 from __future__ import annotations
@@ -26,15 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_pd_e2e as e2e
-from driver_processes import stop_with_the_driver
-from gpu_pd_e2e_report import cell_succeeded
+from gpu_checks import gpu_pd_e2e as e2e
+from gpu_checks.cells import cell_env
+from gpu_checks.gpu_pd_e2e_report import cell_succeeded
+from gpu_checks.processes import stop_with_the_driver
 
 BENCH_CELLS = [
     "g4tiny/plain",
@@ -143,7 +142,7 @@ def _with_kernels(times: dict[str, float], run: dict) -> dict[str, float]:
 def run_colocated(out: Path, modes: dict[str, str | None], mem: float, timeout_s: float) -> None:
     for name, mode in modes.items():
         work = out / f"colocated__g4tiny__{name}"
-        result = e2e.run_alone(work, e2e.cell_env({"kvcached": mode}), "g4tiny", mem, timeout_s)
+        result = e2e.run_alone(work, cell_env({"kvcached": mode}), "g4tiny", mem, timeout_s)
         print(
             "done: colocated",
             name,

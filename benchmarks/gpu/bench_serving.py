@@ -23,7 +23,7 @@ OUT/raw.tar.gz; serving_report.py makes OUT/summary.md, results.json and scaling
 them (also later: ``--report OUT``). Without a CUDA GPU it says so and exits 0.
 
     . .gpu/bin/env.sh
-    python benchmarks/gpu/bench_serving.py --make-weights gemma4_e2b_shape --out OUT [--mode ...]
+    python -m benchmarks.gpu.bench_serving --make-weights gemma4_e2b_shape --out OUT [--mode ...]
 """
 
 from __future__ import annotations
@@ -35,13 +35,9 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))
-sys.path.insert(0, str(HERE))
-
-import serving_report  # noqa: E402
-from serving.client import BenchClient, bench_options  # noqa: E402, F401
-from serving.deployments import (  # noqa: E402, F401
+from benchmarks.gpu import serving_report
+from benchmarks.gpu.serving.client import BenchClient, bench_options  # noqa: F401
+from benchmarks.gpu.serving.deployments import (  # noqa: F401
     KINDS,
     KVCACHED_MODES,
     PORT_STRIDE,
@@ -57,9 +53,8 @@ from serving.deployments import (  # noqa: E402, F401
     resolve_tokenizer,
     sampled_vocab,
 )
-from serving.runs import Runner  # noqa: E402
-
-from kvshare_connector.toolkit.procs import signals_interrupt  # noqa: E402
+from benchmarks.gpu.serving.runs import Runner
+from kvshare_connector.toolkit.procs import signals_interrupt
 
 MODES = ("rounds", "scaling", "faults")
 #: Per-mode defaults of the options left unset (None) on the command line.
@@ -126,11 +121,11 @@ def run_benchmark(args: argparse.Namespace) -> int:
             if args.mode == "rounds":
                 runner.run_rounds()
             elif args.mode == "scaling":
-                from serving.scaling import run_scaling
+                from benchmarks.gpu.serving.scaling import run_scaling
 
                 run_scaling(runner)
             else:
-                from serving.faults import run_faults
+                from benchmarks.gpu.serving.faults import run_faults
 
                 rc = run_faults(runner, out)
         except KeyboardInterrupt:

@@ -25,7 +25,7 @@ fi
 UCX_LOGS="UCX_LOG_LEVEL=info UCX_PROTO_INFO=y"
 
 echo "== standalone NIXL READ, GPU $PGPU -> GPU $DGPU"
-timeout 200 python3 benchmarks/gpu/bench_nixl_read.py --mode gpu --ucx-info --total-mib 64 \
+timeout 200 python3 -m benchmarks.gpu.bench_nixl_read --mode gpu --ucx-info --total-mib 64 \
   --desc-kib 64 16384 --iters 3 --timeout 120 --json "$OUT/standalone.json" \
   --target-visible "$PGPU" --initiator-visible "$DGPU" > "$OUT/standalone.md" 2>&1
 echo "rc=$?" >> "$OUT/standalone.md"
@@ -33,7 +33,7 @@ grep -E '^\|' "$OUT/standalone.md" | head -12
 
 echo "== vllm serve: ours and NixlConnector, UCX lane logs on"
 # shellcheck disable=SC2086
-timeout 420 python3 benchmarks/gpu/bench_serving.py --model-dir "$MODEL" --out "$OUT/serving" \
+timeout 420 python3 -m benchmarks.gpu.bench_serving --model-dir "$MODEL" --out "$OUT/serving" \
   --deployments ours nixl --ours-variants thread={} 'nothread={"nixl_progress_thread":false}' \
   --prefill-gpu "$PGPU" --decode-gpu "$DGPU" --gpu-mem 0.13 \
   --kv-cache-gib 5 --enforce-eager --input-len 2048 --concurrency 1 --num-prompts 8 \
@@ -41,5 +41,5 @@ timeout 420 python3 benchmarks/gpu/bench_serving.py --model-dir "$MODEL" --out "
   --engine-env $UCX_LOGS > "$OUT/serving.log" 2>&1
 echo "rc=$?" >> "$OUT/serving.log"
 
-python3 benchmarks/gpu/serving_lanes.py "$OUT/serving/raw" > "$OUT/lanes.md" 2>&1
+python3 -m benchmarks.gpu.serving_lanes "$OUT/serving/raw" > "$OUT/lanes.md" 2>&1
 cat "$OUT/lanes.md"

@@ -25,13 +25,13 @@ E2B="$WEIGHTS/gemma4_e2b_shape-seed0"
 nvidia-smi -L > "$OUT/gpu.txt" 2>&1
 
 weights() {
-  [ -f "$E2B/kvshare-weights.json" ] || python3 benchmarks/gpu/random_weights.py make \
+  [ -f "$E2B/kvshare-weights.json" ] || python3 -m gpu_checks.random_weights make \
     --model gemma4_e2b_shape --dest "$WEIGHTS" > "$OUT/weights.log" 2>&1
 }
 
 serve() {  # LEN PROMPTS NAME
   weights
-  python3 benchmarks/gpu/bench_serving.py --model-dir "$E2B" --out "$OUT/$3" \
+  python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/$3" \
     --deployments ours nixl colocated --prefill-gpu 0 --decode-gpu 0 --colocated-gpu 0 \
     --gpu-mem 0.13 --kv-cache-gib 5 --input-len "$1" --concurrency 16 --num-prompts "$2" \
     --output-len 64 --rounds 3 --warmup-requests 4 --time-budget "${TIME_BUDGET:-330}" --grace 10 --keep-raw \
@@ -47,7 +47,7 @@ for step in "$@"; do
       python3 -m kvshare_connector.toolkit.cli lane --ucx-lane off --json > "$OUT/lane_off.json" \
         2> "$OUT/lane_off.err"
       echo "lane (UCX defaults, the control): exit $?"
-      python3 benchmarks/gpu/bench_nixl_read.py --mode gpu --target-visible 0 \
+      python3 -m benchmarks.gpu.bench_nixl_read --mode gpu --target-visible 0 \
         --initiator-visible 0 --total-mib 256 --desc-kib 64 16384 --iters 3 \
         --json "$OUT/nixl_read.json" --sweep-env UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y \
         UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y+UCX_RMA_PPLN_ENABLE=y \
@@ -57,7 +57,7 @@ for step in "$@"; do
       ;;
     kvx)
       weights
-      python3 benchmarks/gpu/kv_exact.py run --out "$OUT/kvx" --cells e2b/plain --gpus 1 \
+      python3 -m gpu_checks.kv_exact run --out "$OUT/kvx" --cells e2b/plain --gpus 1 \
         --verify --timeout 420 > "$OUT/kvx.log" 2>&1
       echo "kvx: exit $?"
       ;;

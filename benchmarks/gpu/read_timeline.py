@@ -3,7 +3,7 @@
 timeline (``transfer/records.py``), and per step between phases, the p50 / p90 / p99 / max
 in milliseconds, as a markdown table.
 
-    python benchmarks/gpu/read_timeline.py RAW/reads/ours-decode0.jsonl [...]
+    python -m benchmarks.gpu.read_timeline RAW/reads/ours-decode0.jsonl [...]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ cuda_ipc/cuda`` is the NVLink/IPC lane; ``software emulation | tcp/lo`` is the s
 ``RAW/logs`` and every read log under ``RAW/reads`` (``bench_serving.py --keep-raw``) and
 prints, per engine, the lanes of its reads of GPU memory, and the GB/s of our READs.
 
-    python benchmarks/gpu/serving_lanes.py OUT/serving/raw
+    python -m benchmarks.gpu.serving_lanes OUT/serving/raw
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ each, so READs are attributed to the run they happened in). They live in ``OUT/r
 while a run is going and in ``OUT/raw.tar.gz`` after it; this module reads either, so
 ``--report OUT`` reproduces summary.md, results.json and scaling.png at any later time.
 
-    python benchmarks/gpu/serving_report.py OUT
+    python -m benchmarks.gpu.serving_report OUT
 """
 
 from __future__ import annotations

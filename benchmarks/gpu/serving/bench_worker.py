@@ -9,7 +9,7 @@ same arguments, same result JSON) with its prints going to ``log``, then writes
 ``{"rc": 0|1, "error": ...}`` to ``done``. ``--impl module:function`` swaps the benchmark
 for a function taking the argv list (tests).
 
-    python benchmarks/gpu/serving/bench_worker.py [--impl MOD:FUNC] < requests.jsonl
+    python -m benchmarks.gpu.serving.bench_worker [--impl MOD:FUNC] < requests.jsonl
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ def model_vocab(model_dir: Path) -> int:
 def serve_args(model_dir: Path, tokenizer: Path, args: argparse.Namespace) -> list[str]:
     """vLLM options every engine gets. Gemma-4 with mixed head sizes needs ``global_head_dim``
     handed back (transformers 5.17 folds it away) and Triton attention (vLLM would pick FA4,
-    which is not in this stack), as gpu_pd_e2e.py does."""
+    which is not in this stack), as gpu_checks.engines does."""
     from kvshare_connector.devtools.cpu_stack import hf_overrides_for
 
     config = json.loads((model_dir / "config.json").read_text())
@@ -284,9 +284,11 @@ def resolve_model(args: argparse.Namespace) -> Path:
     process, so its CUDA memory is gone before any engine starts)."""
     if not args.make_weights:
         return Path(args.model_dir).resolve()
-    cmd = [sys.executable, str(ROOT / "benchmarks/gpu/random_weights.py"), "make",
+    cmd = [sys.executable, "-m", "gpu_checks.random_weights", "make",
            "--model", args.make_weights, "--dest", args.weights_root]  # fmt: skip
-    done = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(
+        cmd, check=True, capture_output=True, text=True, timeout=1800, cwd=ROOT
+    )
     return Path(done.stdout.strip().splitlines()[-1]).resolve()
 
 

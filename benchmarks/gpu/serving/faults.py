@@ -21,8 +21,8 @@ from typing import Any
 
 import httpx
 
-from serving import checks, metrics
-from serving.runs import Runner
+from benchmarks.gpu.serving import checks, metrics
+from benchmarks.gpu.serving.runs import Runner
 
 
 def _probe(

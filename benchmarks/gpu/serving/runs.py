@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from benchmarks.gpu.serving import checks, metrics
+from benchmarks.gpu.serving.client import BenchClient, bench_options
+from benchmarks.gpu.serving.deployments import Planned
 from kvshare_connector.toolkit.procs import LaunchError
-from serving import checks, metrics
-from serving.client import BenchClient, bench_options
-from serving.deployments import Planned
 
 
 class Runner:

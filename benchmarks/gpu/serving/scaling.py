@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from serving.runs import Runner
+from benchmarks.gpu.serving.runs import Runner
 
 LENGTHS = [1024, 4096, 16384, 32768]
 CONCURRENCY = [1, 16, 64]

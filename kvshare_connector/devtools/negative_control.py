@@ -7,7 +7,7 @@ must then differ from the baseline, which shows the check can fail. Every other 
 goes through KVShareConnector unchanged.
 
     --kv-transfer-config '{"kv_connector": "LoadSkippingConnector",
-                           "kv_connector_module_path": "tests.support.negative_control", ...}'
+        "kv_connector_module_path": "kvshare_connector.devtools.negative_control", ...}'
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Tables of ``gpu_pd_e2e.py`` runs: generated tokens vs the colocated baseline, the
+"""Tables of ``gpu_pd_e2e`` runs: generated tokens vs the colocated baseline, the
 negative control, decode timings and what the decode worker registered, from each cell's
 ``cell.json`` and ``baseline.json`` (no GPU needed: the report of a run is rebuilt here).
 
-    python benchmarks/gpu/gpu_pd_e2e_report.py OUT [OUT ...]
+    python -m gpu_checks.gpu_pd_e2e_report OUT [OUT ...]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 layer and KV cache group, and sharing layers read their target's bytes.
 
 Each cell runs a prefill ``vllm.LLM`` on GPU 0 and a decode one on GPU 1 (``--gpus 1``: both
-on GPU 0) with ``tests.support.kv_probe.KVProbeConnector``: random-init real weights, four
+on GPU 0) with ``devtools.kv_probe.KVProbeConnector``: random-init real weights, four
 token-id prompts longer than the sliding window. Prefill digests each request's blocks when
 it holds them for decode (LMCache: when it stores them); decode digests its blocks when the
 load finished, before any forward. A second batch, loaded with each group's block ids
@@ -13,11 +13,11 @@ rotated (``kvshare_probe_scramble``), is the negative control: it must mismatch.
 load must be verified (decode's read_log), and a third batch whose first block is
 overwritten after the READ (``kvshare_probe_tamper``) must fail its load with a
 VerificationError. ``--outputs CELL`` also runs a colocated engine (no connector) on GPU 0
-beside that cell, for ``kv_outputs.py``: decode's outputs against the engine's own noise.
+beside that cell, for ``kv_outputs``: decode's outputs against the engine's own noise.
 
-    python benchmarks/gpu/kv_exact.py run --out OUT [--cells NAME ...] [--gpus 2] \
+    python -m gpu_checks.kv_exact run --out OUT [--cells NAME ...] [--gpus 2] \
         [--verify] [--outputs e2b/plain]
-    python benchmarks/gpu/kv_exact.py report OUT
+    python -m gpu_checks.kv_exact report OUT
 
 Writes OUT/<cell>/{prefill,decode}.jsonl and logs, OUT/results.json, OUT/summary.md and
 OUT/logs.tar.gz; exits 1 when a check mismatches or a negative control does not.
@@ -26,20 +26,37 @@ OUT/logs.tar.gz; exits 1 when a check mismatches or a negative control does not.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
-import random
-import signal
-import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]  # package; random_weights
+from gpu_checks import kv_outputs
+from gpu_checks.cells import (
+    cell_dir,
+    cell_env,
+    prefill_output,
+    read_json,
+    read_jsonl,
+    serve_until_stopped,
+    token_prompts,
+    write_json,
+)
+from gpu_checks.processes import (
+    fresh_work_dir,
+    module_cmd,
+    start,
+    start_lmcache_server,
+    stop,
+    stop_started_processes,
+    stop_with_the_driver,
+    wait_for_decode,
+)
+from gpu_checks.random_weights import DONE, weights_dir
+
 PROMPT_LENS = (700, 1300, 2100, 3100)
 MAX_TOKENS = 8
 BATCHES = ("main", "control")
@@ -54,43 +71,27 @@ CELLS: dict[str, dict[str, Any]] = {
 }
 
 
-def cell_dir(out: Path, name: str) -> Path:
-    return out / name.replace("/", "__")
-
-
 def batches_of(cell: dict[str, Any]) -> tuple[str, ...]:
     return VERIFY_BATCHES if cell.get("verify") else BATCHES
 
 
-def cell_env(cell: dict[str, Any]) -> dict[str, str]:
-    env = {"VLLM_USE_V2_MODEL_RUNNER": "0", "ENABLE_KVCACHED": "false"}
-    if cell.get("kvcached"):
-        env["ENABLE_KVCACHED"] = "true"
-        env["KVCACHED_CONTIGUOUS_LAYOUT"] = str(cell["kvcached"] == "contiguous").lower()
-    return env
-
-
 def prompts(batch: str, vocab: int) -> list[list[int]]:
     """Random token ids, own per batch (no prefix-cache hit between batches)."""
-    rng = random.Random(f"kv-exact-{batch}")
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENS]
+    return token_prompts(f"kv-exact-{batch}", PROMPT_LENS, vocab)
 
 
 # ---- one engine per process -----------------------------------------------------------------
 
 
 def engine_main(args: argparse.Namespace) -> None:
-    # The same engine settings, start-up lock and greedy sampling as the e2e driver.
-    from gpu_pd_e2e import generate_tokens, start_engine
+    from gpu_checks.engines import start_engine
 
     work, weights = Path(args.work), Path(args.weights)
     cell = {**CELLS[args.cell], "verify": args.verify}
-    config = json.loads((weights / "config.json").read_text())
+    vocab = read_json(weights / "config.json")["vocab_size"]
     if args.role == "colocated":
-        from kv_outputs import colocated_main
-
         args.max_tokens = MAX_TOKENS
-        colocated_main(args, weights, lambda batch: prompts(batch, config["vocab_size"]))
+        kv_outputs.colocated_main(args, weights, lambda batch: prompts(batch, vocab))
         return
     extra: dict[str, Any] = {
         "kv_lease_duration": args.hold_s,
@@ -102,121 +103,61 @@ def engine_main(args: argparse.Namespace) -> None:
     if cell.get("backend") == "lmcache":
         url = os.environ["KVSHARE_LMCACHE_URL"]
         extra.update(backend="lmcache", lmcache={"remote_url": url, "load_timeout_s": 60})
-    kv_config = {
-        "kv_connector": "KVProbeConnector",
-        "kv_connector_module_path": "tests.support.kv_probe",
-        "kv_role": "kv_producer" if args.role == "prefill" else "kv_consumer",
-        "kv_connector_extra_config": extra,
-    }
+    kv_config = probe_config("KVProbeConnector", args.role, extra)
     # Random-init real weights from the safetensors (not dummy ones: their logits are flat).
     llm, startup = start_engine(
         weights, args, kv_config, load_format="auto", max_model_len=4096, jit_monitor=False
     )
-    out: dict[str, Any] = {"startup_s": startup}
+    run_batches(llm, args, vocab, batches_of(cell), {"startup_s": startup})
+
+
+def probe_config(connector: str, role: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """An engine's kv_transfer_config through one of devtools.kv_probe's connectors."""
+    return {
+        "kv_connector": connector,
+        "kv_connector_module_path": "kvshare_connector.devtools.kv_probe",
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def run_batches(
+    llm: Any, args: argparse.Namespace, vocab: int, batches: tuple[str, ...], out: dict
+) -> None:
+    """Prefill: every batch, held for decode until it is done. Decode: the main batch as
+    prefill produced it, the control scrambled, the tamper batch (if any) tampered."""
+    from gpu_checks.engines import generate_tokens
+
+    work = Path(args.work)
 
     def run(batch: str, params: list[dict], max_tokens: int) -> dict[str, Any]:
-        return generate_tokens(llm, prompts(batch, config["vocab_size"]), params, max_tokens)
+        return generate_tokens(llm, prompts(batch, vocab), params, max_tokens)
 
     if args.role == "prefill":
-        for batch in batches_of(cell):
+        for batch in batches:
             out[batch] = run(batch, [{"do_remote_decode": True}] * len(PROMPT_LENS), 1)
-        _write(work / "prefill.json", out)
+        write_json(work / "prefill.json", out)
         serve_until_stopped(work, args.hold_s)
         return
-    produced = prefill_params(work, args.hold_s)
-    out["main"] = run("main", produced["main"]["kv_transfer_params"], MAX_TOKENS)
-    scrambled = [
-        {**p, "kvshare_probe_scramble": True} for p in produced["control"]["kv_transfer_params"]
-    ]
-    out["control"] = run("control", scrambled, MAX_TOKENS)
-    if "tamper" in produced:
-        params = produced["tamper"]["kv_transfer_params"]
-        tampered = [{**p, "kvshare_probe_tamper": True} for p in params]
-        out["tamper"] = run("tamper", tampered, MAX_TOKENS)
-    _write(work / "decode.result.json", out)
+    produced = prefill_output(work, args.hold_s)
+    flags = {"main": None, "control": "kvshare_probe_scramble", "tamper": "kvshare_probe_tamper"}
+    for batch in batches:
+        params = produced[batch]["kv_transfer_params"]
+        if flags[batch]:
+            params = [{**p, flags[batch]: True} for p in params]
+        out[batch] = run(batch, params, MAX_TOKENS)
+    write_json(work / "decode.result.json", out)
     (work / "stop").touch()
-
-
-def serve_until_stopped(work: Path, hold_s: float) -> None:
-    """Prefill: keep the engine (and its held KV) up until decode is done or ``hold_s``."""
-    deadline = time.monotonic() + hold_s
-    while time.monotonic() < deadline and not (work / "stop").exists():
-        time.sleep(0.2)  # the engine keeps serving reads
-
-
-def prefill_params(work: Path, hold_s: float) -> dict[str, Any]:
-    """Decode: what prefill wrote (its batches' kv_transfer_params), once it is there."""
-    deadline = time.monotonic() + hold_s
-    while not (work / "prefill.json").exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError("prefill never wrote its kv_transfer_params")
-        time.sleep(0.2)
-    return json.loads((work / "prefill.json").read_text())
-
-
-def _write(path: Path, data: Any) -> None:
-    """JSON another process polls for: it appears whole."""
-    from kvshare_connector.common.files import write_atomic
-
-    write_atomic(path, json.dumps(data))
 
 
 # ---- orchestration ------------------------------------------------------------------------
 
-_STARTED: list[subprocess.Popen] = []
-
-
-def start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    """A child in its own session (kvcached names IPC segments after it; killpg ends it)."""
-    full = {
-        **os.environ,
-        **env,
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-    }
-    proc = subprocess.Popen(
-        cmd,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        env=full,
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    _STARTED.append(proc)
-    return proc
-
-
-def stop(proc: subprocess.Popen, timeout_s: float = 0) -> int:
-    """Its exit code, waiting up to ``timeout_s``; killed (-9) past that."""
-    try:
-        return proc.wait(timeout=timeout_s) if timeout_s else proc.wait(timeout=0.01)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return -9
-
-
-def stop_all() -> None:
-    """Kill every child still running: no engine outlives the driver on the GPUs."""
-    for proc in _STARTED:
-        if proc.poll() is None:
-            stop(proc, 0.01)
-
-
-def _on_sigterm(signum: int, _frame: Any) -> None:  # what `timeout` sends
-    stop_all()
-    os._exit(128 + signum)
-
-
 def ensure_weights(model: str, args: argparse.Namespace) -> Path:
-    from random_weights import DONE, weights_dir
-
     target = weights_dir(model, Path(args.weights))
     if not (target / DONE).exists():
         log = Path(args.out) / f"weights-{model}.log"
-        cmd = [sys.executable, str(ROOT / "benchmarks/gpu/random_weights.py"), "make"]
-        cmd += ["--model", model, "--dest", args.weights]
+        cmd = module_cmd("gpu_checks.random_weights", "make", "--model", model)
+        cmd += ["--dest", args.weights]
         rc = stop(start(cmd, log, {"CUDA_VISIBLE_DEVICES": "0"}), 1800)
         if rc != 0 or not (target / DONE).exists():
             raise RuntimeError(f"making weights for {model} failed (rc {rc}): see {log}")
@@ -226,27 +167,14 @@ def ensure_weights(model: str, args: argparse.Namespace) -> Path:
 def run_cell(name: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
     # verify_kv is the NIXL backend's: LMCache cells run without it
     cell = {**CELLS[name], "verify": args.verify and CELLS[name].get("backend") != "lmcache"}
-    work = cell_dir(Path(args.out), name)
-    work.mkdir(parents=True, exist_ok=True)
-    for stale in ("stop", "prefill.json", "decode.result.json", "prefill.jsonl", "decode.jsonl"):
-        (work / stale).unlink(missing_ok=True)
-    for stale in ("decode.read_log.jsonl", "prefill.read_log.jsonl", "colocated.json"):
-        (work / stale).unlink(missing_ok=True)
+    work = fresh_work_dir(cell_dir(Path(args.out), name), STALE)
     weights = ensure_weights(cell["model"], args)
     env = cell_env(cell)
     server = None
     if cell.get("backend") == "lmcache":
-        lm_port = port + 5
-        server = start(
-            [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(lm_port), "cpu"],
-            work / "lmcache_server.log",
-            {},
-        )
-        env.update(KVSHARE_LMCACHE_URL=f"lm://127.0.0.1:{lm_port}", PYTHONHASHSEED="0")
+        server = start_lmcache_server(port + 5, work / "lmcache_server.log")
+        env.update(KVSHARE_LMCACHE_URL=f"lm://127.0.0.1:{port + 5}", PYTHONHASHSEED="0")
         env.update(LMCACHE_TRACK_USAGE="false", LMCACHE_LOG_LEVEL="WARNING")
-        from kvshare_connector.common.child_process import wait_for_port
-
-        wait_for_port("127.0.0.1", lm_port, 60, alive=lambda: server.poll() is None)
     two = args.gpus >= 2
     mem = args.mem or (0.5 if two else 0.4)
     procs = {}
@@ -254,54 +182,60 @@ def run_cell(name: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
     roles = ["prefill", "decode"] + (["colocated"] if args.outputs == name else [])
     for i, role in enumerate(roles):
         gpu = {"colocated": 0}.get(role, i) if two else 0
-        cmd = [sys.executable, __file__, "engine", "--role", role, "--cell", name]
+        cmd = engine_cmd("gpu_checks.kv_exact", role, name, work, weights, args.timeout)
         cmd += ["--verify"] if cell["verify"] else []
-        cmd += ["--work", str(work), "--weights", str(weights), "--mem", str(mem)]
-        cmd += [
-            "--hold-s",
-            str(args.timeout),
-            "--lock",
-            str(work / (f"gpu{gpu}.lock" if two else "gpu.lock")),
-        ]
-        if role == "colocated":  # beside prefill on GPU 0: a smaller share
-            cmd[cmd.index("--mem") + 1] = str(min(mem, 0.3))
+        # colocated: beside prefill on GPU 0, a smaller share
+        cmd += ["--mem", str(min(mem, 0.3) if role == "colocated" else mem)]
+        cmd += ["--lock", str(work / (f"gpu{gpu}.lock" if two else "gpu.lock"))]
         role_env = {**env, "CUDA_VISIBLE_DEVICES": str(gpu)}
         role_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port + i)
         role_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
         procs[role] = start(cmd, work / f"{role}.log", role_env)
-    deadline = time.monotonic() + args.timeout
-    while procs["decode"].poll() is None and time.monotonic() < deadline:
-        if procs["prefill"].poll() not in (None, 0):
-            break  # prefill died: decode would wait in vain
-        time.sleep(0.5)
-    rc_decode = stop(procs["decode"], 1)
-    (work / "stop").touch()
-    rc_prefill = stop(procs["prefill"], 60)
-    rc_colocated = stop(procs["colocated"], 120) if "colocated" in procs else None
+    result = {"cell": name, **cell, **stop_engines(procs, work, args.timeout, (1, 60))}
+    if "colocated" in procs:
+        result["rc_colocated"] = stop(procs["colocated"], 120)
     if server is not None:
-        stop(server, 0.01)
-    result = {"cell": name, **cell, "rc_prefill": rc_prefill, "rc_decode": rc_decode}
-    if rc_colocated is not None:
-        result["rc_colocated"] = rc_colocated
+        stop(server)
     result["wall_s"] = round(time.monotonic() - t0, 1)
     result.update(check_cell(work, cell))
-    _write(work / "cell.json", result)
+    write_json(work / "cell.json", result)
     return result
+
+
+# What a cell's engines leave besides processes.RUN_OUTPUTS: a rerun must not read them.
+STALE = ("*.jsonl", "colocated.json")
+
+
+def engine_cmd(
+    module: str, role: str, cell: str, work: Path, weights: Path, hold_s: float
+) -> list[str]:
+    """The command line of one engine of a KV-exact cell (``--mem``, ``--lock`` to add)."""
+    return module_cmd(
+        module, "engine", "--role", role, "--cell", cell, "--work", str(work),
+        "--weights", str(weights), "--hold-s", str(hold_s),
+    )  # fmt: skip
+
+
+def stop_engines(
+    procs: dict[str, Any], work: Path, timeout_s: float, grace_s: tuple[float, float]
+) -> dict[str, int]:
+    """Decode's and prefill's exit codes: decode is waited for (until prefill dies or
+    ``timeout_s``), then prefill is told to stop; each is killed after its grace seconds."""
+    wait_for_decode(procs["prefill"], procs["decode"], timeout_s)
+    rc_decode = stop(procs["decode"], grace_s[0])
+    (work / "stop").touch()
+    return {"rc_prefill": stop(procs["prefill"], grace_s[1]), "rc_decode": rc_decode}
 
 
 # ---- the checks ---------------------------------------------------------------------------
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def check_cell(work: Path, cell: dict[str, Any]) -> dict[str, Any]:
     """Every decode record against prefill's record of the same request."""
-    from tests.support.kv_probe import compare
+    from kvshare_connector.devtools.kv_digests import compare
 
-    prefill = {r["request_id"]: r for r in _jsonl(work / "prefill.jsonl")}
-    decoded = _jsonl(work / "decode.jsonl")
+    prefill = {r["request_id"]: r for r in read_jsonl(work / "prefill.jsonl")}
+    decoded = read_jsonl(work / "decode.jsonl")
     requests, problems = [], []
     batches = batches_of(cell)
     tampered = []
@@ -321,19 +255,9 @@ def check_cell(work: Path, cell: dict[str, Any]) -> dict[str, Any]:
             continue
         result = compare(source, record, needed_only=cell.get("backend") == "lmcache")
         requests.append({"batch": kind, **result})
-    for kind in BATCHES:
-        got = sum(r["batch"] == kind for r in requests)
-        if got != len(PROMPT_LENS):
-            problems.append(f"{kind}: {got} of {len(PROMPT_LENS)} requests compared")
-    decode = json.loads(p.read_text()) if (p := work / "decode.result.json").exists() else {}
-    for kind in batches:
-        for params in decode.get(kind, {}).get("kv_transfer_params", []):
-            error = (params or {}).get("kv_load_error")
-            if kind != "tamper" and error:
-                problems.append(f"{kind}: kv_load_error {error}")
-            elif kind == "tamper" and "VerificationError" not in (error or ""):
-                problems.append(f"tamper: no VerificationError returned ({error})")
-    verified = [r for r in _jsonl(work / "decode.read_log.jsonl") if r.get("verified")]
+    decode = read_json(work / "decode.result.json")
+    problems += batch_problems(requests, decode, batches)
+    verified = [r for r in read_jsonl(work / "decode.read_log.jsonl") if r.get("verified")]
     if "tamper" in batches:
         if len(tampered) != len(PROMPT_LENS):
             problems.append(f"tamper: {len(tampered)} of {len(PROMPT_LENS)} loads refused")
@@ -343,13 +267,40 @@ def check_cell(work: Path, cell: dict[str, Any]) -> dict[str, Any]:
     return {
         "requests": requests,
         "problems": problems,
-        "tokens": {k: decode.get(k, {}).get("tokens") for k in BATCHES},
-        "logprobs": {k: decode.get(k, {}).get("logprobs") for k in BATCHES},
+        **outputs_of(decode),
         "verified_loads": len(verified),
         "verified_layer_blocks": sum(r["verified"] for r in verified),
         "tamper_refused": sum("VerificationError" in r.get("failed", "") for r in tampered),
         "prefill_digest_s": sum(r.get("seconds", 0) for r in prefill.values()),
         "decode_digest_s": sum(r.get("seconds", 0) for r in decoded),
+    }
+
+
+def batch_problems(
+    requests: list[dict[str, Any]], decode: dict[str, Any], batches: tuple[str, ...]
+) -> list[str]:
+    """Every prompt of the main and control batches compared; no load error but in the
+    tamper batch, where each load must fail verification."""
+    problems = []
+    for kind in BATCHES:
+        got = sum(r["batch"] == kind for r in requests)
+        if got != len(PROMPT_LENS):
+            problems.append(f"{kind}: {got} of {len(PROMPT_LENS)} requests compared")
+    for kind in batches:
+        for params in decode.get(kind, {}).get("kv_transfer_params", []):
+            error = (params or {}).get("kv_load_error")
+            if kind != "tamper" and error:
+                problems.append(f"{kind}: kv_load_error {error}")
+            elif kind == "tamper" and "VerificationError" not in (error or ""):
+                problems.append(f"tamper: no VerificationError returned ({error})")
+    return problems
+
+
+def outputs_of(decode: dict[str, Any]) -> dict[str, Any]:
+    """Decode's generated tokens and logprobs per batch, for the record."""
+    return {
+        "tokens": {k: decode.get(k, {}).get("tokens") for k in BATCHES},
+        "logprobs": {k: decode.get(k, {}).get("logprobs") for k in BATCHES},
     }
 
 
@@ -386,17 +337,14 @@ def verify_column(res: dict[str, Any]) -> str:
 
 def outputs_table(out: Path, results: list[dict[str, Any]]) -> str:
     """Decode's outputs vs the colocated engine and its noise floor, where one ran."""
-    from kv_outputs import compare_outputs, table
-
     compared = {}
     for res in results:
         work = cell_dir(out, res["cell"])
         if (work / "colocated.json").exists() and (work / "decode.result.json").exists():
-            compared[res["cell"]] = compare_outputs(
-                json.loads((work / "decode.result.json").read_text()),
-                json.loads((work / "colocated.json").read_text()),
+            compared[res["cell"]] = kv_outputs.compare_outputs(
+                read_json(work / "decode.result.json"), read_json(work / "colocated.json")
             )
-    return "\n\n" + table(compared) if compared else ""
+    return "\n\n" + kv_outputs.table(compared) if compared else ""
 
 
 def summary(results: list[dict[str, Any]]) -> str:
@@ -428,7 +376,7 @@ def summary(results: list[dict[str, Any]]) -> str:
 
 def finish(out: Path, results: list[dict[str, Any]]) -> int:
     """results.json, summary.md and one archive of every cell's logs and digests."""
-    _write(out / "results.json", results)
+    write_json(out / "results.json", results)
     text = summary(results) + outputs_table(out, results)
     (out / "summary.md").write_text(text + "\n")
     with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
@@ -440,23 +388,35 @@ def finish(out: Path, results: list[dict[str, Any]]) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    return run_each(args.cells or list(CELLS), run_cell, args, 21000, 20)
+
+
+def run_each(
+    names: list[str],
+    run: Callable[[str, argparse.Namespace, int], dict[str, Any]],
+    args: argparse.Namespace,
+    port: int,
+    port_step: int,
+) -> int:
+    """Each cell in turn (its ports ``port_step`` above the last), a failed cell reported
+    and the rest still run; every engine stopped with the driver; then ``finish``."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    stop_with_the_driver()
     results = []
     try:
-        for i, name in enumerate(args.cells or list(CELLS)):
+        for i, name in enumerate(names):
             try:
-                results.append(run_cell(name, args, 21000 + 20 * i))
+                results.append(run(name, args, port + port_step * i))
             except Exception as exc:  # one cell's failure is reported, the rest still run
                 failed = {"cell": name, "rc_prefill": None, "rc_decode": None, "requests": []}
                 failed["problems"] = [f"{type(exc).__name__}: {exc}"]
                 results.append(failed)
                 cell_dir(out, name).mkdir(parents=True, exist_ok=True)
-                _write(cell_dir(out, name) / "cell.json", failed)
+                write_json(cell_dir(out, name) / "cell.json", failed)
             print(f"done: {name}: {'PASS' if passed(results[-1]) else 'FAIL'}", flush=True)
     finally:
-        stop_all()
+        stop_started_processes()
     return finish(out, results)
 
 
@@ -464,7 +424,7 @@ def cmd_report(out: Path) -> int:
     """Check every cell under ``out`` again from its digests (e.g. after changing the checks)."""
     results = []
     for path in sorted(out.glob("*/cell.json")):
-        result = json.loads(path.read_text())
+        result = read_json(path)
         if "model" in result:
             result.update(check_cell(path.parent, CELLS.get(result["cell"], result)))
         results.append(result)

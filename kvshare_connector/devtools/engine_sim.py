@@ -5,7 +5,8 @@ connector created by vLLM's factory in both roles, vLLM-made KV tensors (``cpu_s
 and NIXL over UCX. Emulated: the model forward, which here writes a known pattern into
 the KV blocks the scheduler allocated for the prompt and samples a fixed token.
 
-Run one role per process: ``python -m tests.support.engine_sim prefill|decode ...`` (JSON lines).
+Run one role per process (JSON lines):
+``python -m kvshare_connector.devtools.engine_sim prefill|decode ...``.
 """
 
 from __future__ import annotations
@@ -244,7 +245,7 @@ def start_prefill(port: int, tokens: int, requests: int, *options: str, cwd: str
     requests' kv_transfer_params, its RESULT line what it still holds when done."""
     from kvshare_connector.common.child_process import Child
 
-    args = ["-m", "tests.support.engine_sim", "prefill", "--port", str(port)]
+    args = ["-m", "kvshare_connector.devtools.engine_sim", "prefill", "--port", str(port)]
     args += ["--tokens", str(tokens), "--requests", str(requests), *options]
     return Child(args, cwd=cwd)
 

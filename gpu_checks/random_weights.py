@@ -9,8 +9,8 @@ leaves out of KV-sharing layers (``self_attn.k_proj``, ``v_proj``, ``k_norm``) b
 0.26's loader requires (its sharing layers keep a fused ``qkv_proj`` and a ``k_norm``; they
 never use them: they read their target's KV).
 
-    python benchmarks/gpu/random_weights.py make --model g4tiny [--dest /tmp/kvshare-weights]
-    python benchmarks/gpu/random_weights.py check DIR    # names vs vLLM's Gemma4 (CPU, tiny)
+    python -m gpu_checks.random_weights make --model g4tiny [--dest /tmp/kvshare-weights]
+    python -m gpu_checks.random_weights check DIR    # names vs vLLM's Gemma4 (CPU, tiny)
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
 PLACEHOLDERS = "kvshare-sharing-placeholders.safetensors"
 DONE = "kvshare-weights.json"  # written last: a directory without it is incomplete
 SHARER_PARAMS = ("k_proj.weight", "v_proj.weight", "k_norm.weight")
@@ -53,7 +52,6 @@ def make_weights(model: str, root: Path, device: str = "cuda", seed: int = 0) ->
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    sys.path.insert(0, str(ROOT))
     from kvshare_connector.devtools.cpu_stack import model_dir
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -123,7 +121,6 @@ def check_against_vllm(weights: Path) -> list[str]:
     from vllm.model_executor.models.gemma4 import Gemma4ForCausalLM
     from vllm.platforms import current_platform
 
-    sys.path.insert(0, str(ROOT))
     from kvshare_connector.devtools import cpu_stack
 
     model_config = ModelConfig(

@@ -8,8 +8,8 @@ Negative control per cell: the same prompts decoded with the remote block ids re
 per group must come out different. Timings: decode-side wall time of the first batch
 (handshake included) and of later batches.
 
-    python benchmarks/gpu/gpu_pd_e2e.py run --out OUT [--cells NAME ...] [--parallel N]
-    python benchmarks/gpu/gpu_pd_e2e.py report OUT [OUT ...]      # merge results into tables
+    python -m gpu_checks.gpu_pd_e2e run --out OUT [--cells NAME ...] [--parallel N]
+    python -m gpu_checks.gpu_pd_e2e report OUT [OUT ...]      # merge results into tables
 
 Needs a CUDA GPU with vLLM 0.26 (+ NIXL, kvcached for the kvcached cells).
 """
@@ -17,28 +17,36 @@ Needs a CUDA GPU with vLLM 0.26 (+ NIXL, kvcached for the kvcached cells).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
-import json
 import os
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from driver_processes import (
+from gpu_checks.cells import (
+    cell_dir,
+    cell_env,
+    prefill_output,
+    read_json,
+    serve_until_stopped,
+    token_prompts,
+    write_json,
+)
+from gpu_checks.engines import generate_tokens, start_engine
+from gpu_checks.gpu_pd_e2e_report import report
+from gpu_checks.processes import (
     fresh_work_dir,
-    started,
+    module_cmd,
+    start,
+    start_lmcache_server,
+    stop,
     stop_started_processes,
     stop_with_the_driver,
     triton_cache_entries,
-    wait,
+    wait_for_decode,
 )
-from gpu_pd_e2e_report import report
 
-ROOT = Path(__file__).resolve().parents[2]
 PROMPT_LENS = (40, 257, 611, 900)
 MAX_TOKENS = 24
 STEADY_REPEATS = 8
@@ -101,16 +109,6 @@ CELLS: dict[str, dict[str, Any]] = {
 MATRIX = [c for c in CELLS if ":" not in c]
 
 
-def cell_env(cell: dict[str, Any]) -> dict[str, str]:
-    env = {
-        "VLLM_USE_V2_MODEL_RUNNER": "1" if cell.get("runner") == "v2" else "0",
-        "ENABLE_KVCACHED": "true" if cell.get("kvcached") else "false",
-    }
-    if cell.get("kvcached"):
-        env["KVCACHED_CONTIGUOUS_LAYOUT"] = "true" if cell["kvcached"] == "contiguous" else "false"
-    return env
-
-
 def model_dir(model: str, root: Path) -> Path:
     from kvshare_connector.devtools.cpu_stack import model_dir as write_model
 
@@ -119,10 +117,7 @@ def model_dir(model: str, root: Path) -> Path:
 
 def prompts(batch: str) -> list[list[int]]:
     """Token-id prompts; each batch has its own tokens so no prefix cache hits across."""
-    import random
-
-    rng = random.Random(f"kvshare-{batch}")
-    return [[rng.randrange(3, 4000) for _ in range(n)] for n in PROMPT_LENS]
+    return token_prompts(f"kvshare-{batch}", PROMPT_LENS, 4000)
 
 
 # ---- one engine per process -----------------------------------------------------------------
@@ -154,53 +149,8 @@ def kv_transfer_config(cell: dict[str, Any], role: str, work: Path) -> dict[str,
             # Loads go by the prompt's tokens (no block ids to point elsewhere): the
             # negative control skips them instead, through this pass-through subclass.
             kv_config["kv_connector"] = "LoadSkippingConnector"
-            kv_config["kv_connector_module_path"] = "tests.support.negative_control"
+            kv_config["kv_connector_module_path"] = "kvshare_connector.devtools.negative_control"
     return kv_config
-
-
-def start_engine(
-    path: Path,
-    args: argparse.Namespace,
-    kv_config: dict | None,
-    load_format: str = "dummy",
-    max_model_len: int = 2048,
-    jit_monitor: bool = True,
-) -> tuple[Any, float]:
-    """One engine (dummy weights unless told otherwise) started while holding ``args.lock``;
-    returns it and its startup seconds (lock wait excluded)."""
-    from vllm import LLM
-
-    from kvshare_connector.devtools.cpu_stack import hf_overrides_for
-
-    overrides = hf_overrides_for(path / "config.json")
-    if (
-        overrides.get("global_head_dim")
-        == json.loads((path / "config.json").read_text())["head_dim"]
-    ):
-        overrides = {}
-    start = time.perf_counter()
-    # One engine starts at a time: vLLM's memory profiling reads the GPU's free memory,
-    # which another engine allocating at the same moment would distort.
-    with open(Path(args.lock), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        waited = time.perf_counter() - start
-        llm = LLM(
-            model=str(path),
-            load_format=load_format,
-            skip_tokenizer_init=True,
-            enforce_eager=True,
-            gpu_memory_utilization=args.mem,
-            max_model_len=max_model_len,
-            max_num_seqs=8,
-            seed=0,
-            hf_overrides=overrides,
-            kv_transfer_config=kv_config,
-            # Mixed head sizes make vLLM pick FA4 (CuTe DSL, not in this stack): use Triton.
-            attention_backend="TRITON_ATTN" if overrides else None,
-            jit_monitor_verbose=jit_monitor,  # every kernel (re)compiled, with its time
-        )
-        fcntl.flock(lock, fcntl.LOCK_UN)
-    return llm, time.perf_counter() - start - waited
 
 
 def generate(llm: Any, batch: str, params: list[dict] | None, max_tokens: int) -> dict[str, Any]:
@@ -208,36 +158,6 @@ def generate(llm: Any, batch: str, params: list[dict] | None, max_tokens: int) -
     window_start = time.time()  # wall clock, as in the connector's read_log
     out = generate_tokens(llm, prompts(batch), params, max_tokens)
     return {**out, "window": [window_start, time.time()]}
-
-
-def generate_tokens(
-    llm: Any, token_prompts: list[list[int]], params: list[dict] | None, max_tokens: int
-) -> dict[str, Any]:
-    """Greedy generation of token-id prompts, each with its kv_transfer_params (or none)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    greedy = {"temperature": 0.0, "logprobs": 1, "detokenize": False, "ignore_eos": True}
-    sampling = []
-    for i in range(len(token_prompts)):
-        extra = {"kv_transfer_params": params[i]} if params and params[i] else None
-        sampling.append(SamplingParams(max_tokens=max_tokens, extra_args=extra, **greedy))
-    t0 = time.perf_counter()
-    results = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in token_prompts], sampling, use_tqdm=False
-    )
-    return {
-        "seconds": time.perf_counter() - t0,
-        "tokens": [list(r.outputs[0].token_ids) for r in results],
-        "logprobs": [
-            [
-                lp[t].logprob
-                for lp, t in zip(r.outputs[0].logprobs, r.outputs[0].token_ids, strict=True)
-            ]
-            for r in results
-        ],
-        "kv_transfer_params": [r.kv_transfer_params for r in results],
-    }
 
 
 def corrupted(cell: dict[str, Any], produced: list[dict]) -> list[dict]:
@@ -267,32 +187,17 @@ def engine_main(args: argparse.Namespace) -> None:
     elif args.role == "prefill":
         remote_decode = [{"do_remote_decode": True}] * len(PROMPT_LENS)
         produced = {batch: generate(llm, batch, remote_decode, 1) for batch in batches}
-        _write(work / "prefill.json", {"batches": produced, "startup_s": startup})
-        deadline = time.monotonic() + args.hold_s
-        while time.monotonic() < deadline and not (work / "stop").exists():
-            time.sleep(0.2)
-        out["held_s"] = time.monotonic() - (deadline - args.hold_s)
+        write_json(work / "prefill.json", {"batches": produced, "startup_s": startup})
+        out["held_s"] = serve_until_stopped(work, args.hold_s)
     else:  # decode
-        deadline = time.monotonic() + args.hold_s
-        while not (work / "prefill.json").exists():
-            if time.monotonic() > deadline:
-                raise TimeoutError("prefill never produced its kv_transfer_params")
-            time.sleep(0.2)
-        produced = json.loads((work / "prefill.json").read_text())["batches"]
+        produced = prefill_output(work, args.hold_s)["batches"]
         for batch in ["main"] + [f"steady{i}" for i in range(STEADY_REPEATS)]:
             out[batch] = generate(llm, batch, produced[batch]["kv_transfer_params"], MAX_TOKENS)
         if cell.get("connector") != "LMCacheConnectorV1":  # theirs: nothing of ours to skip
             params = corrupted(cell, produced["corrupt"]["kv_transfer_params"])
             out["corrupt"] = generate(llm, "corrupt", params, MAX_TOKENS)
         (work / "stop").touch()
-    _write(work / f"{args.role}.result.json", out)
-
-
-def _write(path: Path, data: Any) -> None:
-    """JSON the other engine or the driver polls for: it appears whole."""
-    from kvshare_connector.common.files import write_atomic
-
-    write_atomic(path, json.dumps(data))
+    write_json(work / f"{args.role}.result.json", out)
 
 
 # ---- orchestration ------------------------------------------------------------------------
@@ -301,98 +206,54 @@ def _write(path: Path, data: Any) -> None:
 def spawn(
     role: str,
     work: Path,
-    log: Path,
     env: dict[str, str],
     cell: str | None,
     model: str | None,
     port: int,
     mem: float,
 ) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        __file__,
-        "engine",
-        "--role",
-        role,
-        "--work",
-        str(work),
-        "--mem",
-        str(mem),
-        "--lock",
-        str(work.parent / "startup.lock"),
-    ]
+    """One engine of a cell (``cell``) or a baseline (``model``), logging to work/<role>.log."""
+    cmd = module_cmd("gpu_checks.gpu_pd_e2e", "engine", "--role", role, "--work", str(work))
+    cmd += ["--mem", str(mem), "--lock", str(work.parent / "startup.lock")]
     cmd += ["--cell", cell] if cell else ["--model", model or ""]
-    full_env = {
-        **os.environ,
-        **env,
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-        "PYTHONUNBUFFERED": "1",
-        # The repo root: the package, and tests.support.negative_control for LMCache cells.
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+    side_channel = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+    side_channel["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+    return start(cmd, work / f"{role}.log", {**env, **side_channel})
+
+
+def lmcache_env(port: int) -> dict[str, str]:
+    """Both engines' settings for the lm:// server on ``port``."""
+    return {
+        "KVSHARE_LMCACHE_URL": f"lm://127.0.0.1:{port}",
+        "PYTHONHASHSEED": "0",
+        "LMCACHE_TRACK_USAGE": "false",
+        # LMCacheConnectorV1 reads its configuration from these (ours ignores them).
+        "LMCACHE_REMOTE_URL": f"lm://127.0.0.1:{port}",
+        "LMCACHE_REMOTE_SERDE": "naive",
+        "LMCACHE_CHUNK_SIZE": "256",
+        "LMCACHE_LOCAL_CPU": "True",
+        "LMCACHE_MAX_LOCAL_CPU_SIZE": "2",
     }
-    # Own process group per engine: kvcached names its IPC segments after it.
-    return started(
-        subprocess.Popen(
-            cmd,
-            stdout=log.open("w"),
-            stderr=subprocess.STDOUT,
-            env=full_env,
-            cwd=ROOT,
-            start_new_session=True,
-        )
-    )
 
 
 def run_cell(name: str, out: Path, port: int, mem: float, timeout_s: float) -> dict[str, Any]:
     cell = CELLS[name]
-    work = fresh_work_dir(out / name.replace("/", "__").replace(":", "_"))
+    work = fresh_work_dir(cell_dir(out, name))
     env = cell_env(cell)
     server = None
     if cell.get("backend") == "lmcache":  # an lm:// server between the two engines
-        lm_port = port + 5
-        server = started(
-            subprocess.Popen(
-                [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(lm_port), "cpu"],
-                stdout=(work / "lmcache_server.log").open("w"),
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        )
-        env.update(
-            KVSHARE_LMCACHE_URL=f"lm://127.0.0.1:{lm_port}",
-            PYTHONHASHSEED="0",
-            LMCACHE_TRACK_USAGE="false",
-            # LMCacheConnectorV1 reads its configuration from these (ours ignores them).
-            LMCACHE_REMOTE_URL=f"lm://127.0.0.1:{lm_port}",
-            LMCACHE_REMOTE_SERDE="naive",
-            LMCACHE_CHUNK_SIZE="256",
-            LMCACHE_LOCAL_CPU="True",
-            LMCACHE_MAX_LOCAL_CPU_SIZE="2",
-        )
-        env.update(cell.get("lmcache_env", {}))
-        from kvshare_connector.common.child_process import wait_for_port
-
-        try:  # engines that start before it would miss it: wait until it listens
-            wait_for_port("127.0.0.1", lm_port, 60, alive=lambda: server.poll() is None)
-        except (RuntimeError, TimeoutError):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(server.pid, 9)
-            raise
+        server = start_lmcache_server(port + 5, work / "lmcache_server.log")
+        env.update(lmcache_env(port + 5), **cell.get("lmcache_env", {}))
     t0 = time.monotonic()
     kernels_before = triton_cache_entries()
-    prefill = spawn("prefill", work, work / "prefill.log", env, name, None, port, mem)
-    decode = spawn("decode", work, work / "decode.log", env, name, None, port + 1, mem)
-    deadline = time.monotonic() + timeout_s
-    while decode.poll() is None and time.monotonic() < deadline:
-        if prefill.poll() not in (None, 0):  # prefill died: decode would wait in vain
-            break
-        time.sleep(0.5)
-    rc_d = wait(decode, 1)
+    prefill = spawn("prefill", work, env, name, None, port, mem)
+    decode = spawn("decode", work, env, name, None, port + 1, mem)
+    wait_for_decode(prefill, decode, timeout_s)
+    rc_d = stop(decode, 1)
     (work / "stop").touch()
-    rc_p = wait(prefill, 60)
+    rc_p = stop(prefill, 60)
     if server is not None:
-        os.killpg(server.pid, 9)
+        stop(server)
     result: dict[str, Any] = {
         "cell": name,
         **cell,
@@ -402,24 +263,29 @@ def run_cell(name: str, out: Path, port: int, mem: float, timeout_s: float) -> d
         "triton_kernels_compiled": triton_cache_entries() - kernels_before,
     }
     for role in ("prefill", "decode"):
-        path = work / f"{role}.result.json"
-        if path.exists():
-            result[role] = json.loads(path.read_text())
-        log = (work / f"{role}.log").read_text(errors="replace")
-        result[f"{role}_registration"] = [
-            line.strip()[-400:]
-            for line in log.splitlines()
-            if ("KVShareConnector" in line and ("registered" in line or "handed to" in line))
-            or ("nixl" in line.lower() and "regist" in line.lower())
-        ][:3]
-        result[f"{role}_lmcache_hits"] = [
-            line.strip()[-200:] for line in log.splitlines() if "LMCache hit tokens" in line
-        ][-12:]
-        result[f"{role}_errors"] = [
-            line.strip()[-300:] for line in log.splitlines() if "Error" in line or "error" in line
-        ][-5:]
-    _write(work / "cell.json", result)
+        if (work / f"{role}.result.json").exists():
+            result[role] = read_json(work / f"{role}.result.json")
+        result.update(log_findings(role, (work / f"{role}.log").read_text(errors="replace")))
+    write_json(work / "cell.json", result)
     return result
+
+
+def log_findings(role: str, log: str) -> dict[str, list[str]]:
+    """What an engine's log says of registration, LMCache hits and errors (for the report)."""
+    lines = log.splitlines()
+    registration = [
+        line.strip()[-400:]
+        for line in lines
+        if ("KVShareConnector" in line and ("registered" in line or "handed to" in line))
+        or ("nixl" in line.lower() and "regist" in line.lower())
+    ]
+    hits = [line.strip()[-200:] for line in lines if "LMCache hit tokens" in line]
+    errors = [line.strip()[-300:] for line in lines if "Error" in line or "error" in line]
+    return {
+        f"{role}_registration": registration[:3],
+        f"{role}_lmcache_hits": hits[-12:],
+        f"{role}_errors": errors[-5:],
+    }
 
 
 def run_alone(
@@ -429,17 +295,15 @@ def run_alone(
     batches, rc and the Triton kernels it compiled, also written to work/baseline.json."""
     fresh_work_dir(work)
     kernels_before = triton_cache_entries()
-    proc = spawn("baseline", work, work / "baseline.log", env, None, model_name, 0, mem)
-    rc = wait(proc, timeout_s)
+    proc = spawn("baseline", work, env, None, model_name, 0, mem)
+    rc = stop(proc, timeout_s)
     result = {
         **labels,
         "rc": rc,
         "triton_kernels_compiled": triton_cache_entries() - kernels_before,
     }
-    path = work / "baseline.result.json"
-    if path.exists():
-        result.update(json.loads(path.read_text()))
-    _write(work / "baseline.json", result)
+    result.update(read_json(work / "baseline.result.json"))
+    write_json(work / "baseline.json", result)
     return result
 
 

@@ -5,7 +5,7 @@ prompt batched or alone (other kernels, other reduction orders), and greedy deco
 near-tie into another token. So a PD output difference means something only against that
 noise floor, and only if a load of wrong KV (the negative control) differs by much more.
 
-    python benchmarks/gpu/kv_outputs.py OUT/<cell>   # after kv_exact.py run --outputs
+    python -m gpu_checks.kv_outputs OUT/<cell>   # after kv_exact run --outputs
 
 Reads ``colocated.json`` (written by kv_exact's colocated engine: the main batch batched and
 one prompt at a time, the control batch batched) and ``decode.result.json``.
@@ -14,12 +14,13 @@ one prompt at a time, the control batch batched) and ``decode.result.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from gpu_checks.cells import read_json, write_json
 
 
 def colocated_main(
@@ -27,9 +28,7 @@ def colocated_main(
 ) -> None:
     """The colocated engine (no connector): the main batch batched, then one prompt at a
     time (the noise floor), then the control batch; writes ``colocated.json``."""
-    from gpu_pd_e2e import generate_tokens, start_engine
-
-    from kvshare_connector.common.files import write_atomic
+    from gpu_checks.engines import generate_tokens, start_engine
 
     llm, startup = start_engine(
         weights, args, None, load_format="auto", max_model_len=4096, jit_monitor=False
@@ -43,7 +42,7 @@ def colocated_main(
         "logprobs": [a["logprobs"][0] for a in alone],
     }
     out["control"] = generate_tokens(llm, prompts("control"), None, max_tokens)
-    write_atomic(Path(args.work) / "colocated.json", json.dumps(out))
+    write_json(Path(args.work) / "colocated.json", out)
 
 
 def divergence(
@@ -132,9 +131,8 @@ def main() -> int:
     results = {}
     for arg in sys.argv[1:]:
         work = Path(arg)
-        decode = json.loads((work / "decode.result.json").read_text())
-        colocated = json.loads((work / "colocated.json").read_text())
-        results[work.name] = compare_outputs(decode, colocated)
+        decode = read_json(work / "decode.result.json")
+        results[work.name] = compare_outputs(decode, read_json(work / "colocated.json"))
     print(table(results))
     return 0
 
