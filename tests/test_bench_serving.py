@@ -156,6 +156,17 @@ def test_kvcached_per_deployment_and_fixed_kv_size(tmp_path: Path, model_dir: Pa
         _plan(tmp_path, model_dir, "--kvcached-on", "ours-kvx")
     _, default = _plan(tmp_path, model_dir)
     assert all(p.deployment.cfg.parallel_start is None for p in default)
+    # One deployment's own env (an earlier connector beside this one): only its engines.
+    _, before = _plan(
+        tmp_path, model_dir, "--ours-variants", "now={}", "before={}", "--deployments", "ours",
+        "nixl", "--variant-env", "ours-before:PYTHONPATH=/old:/site",
+    )  # fmt: skip
+    paths = {p.name: {e.env.get("PYTHONPATH") for e in p.deployment.engines} for p in before}
+    assert paths == {"ours-now": {None}, "ours-before": {"/old:/site"}, "nixl": {None}}
+    with pytest.raises(SystemExit, match="no such deployment"):
+        _plan(tmp_path, model_dir, "--variant-env", "ours-bfore:A=1")
+    with pytest.raises(SystemExit, match="NAME:KEY=VALUE"):
+        _plan(tmp_path, model_dir, "--variant-env", "PYTHONPATH=/old")
     assert all("--kv-cache-memory-bytes" not in e.argv
                for p in default for e in p.deployment.engines)  # fmt: skip
 
@@ -173,6 +184,9 @@ def test_bench_command_and_seeds(tmp_path: Path, model_dir: Path) -> None:
     args, planned = _plan(tmp_path, model_dir, "--concurrency", "4", "16", "--rounds", "2")
     runner = bs.Runner(args, planned, tmp_path / "tok", tmp_path / "raw", None, 4096)
     runs = {p.name: runner.runs_for(p, 1) for p in planned}
+    args.num_prompts, args.min_prompts, args.prompts_per_slot = 0, 6, 2  # per point
+    assert [r["num_prompts"] for r in runner.runs_for(planned[0], 0)] == [8, 32]
+    args.num_prompts = 64
     # The same prompts for every deployment at a point of a round, new ones per point/round.
     assert [r["seed"] for r in runs["ours"]] == [r["seed"] for r in runs["colocated"]]
     assert len({r["seed"] for r in runs["ours"] + runner.runs_for(planned[0], 0)}) == 4

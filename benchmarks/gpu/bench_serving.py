@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--extra-config", help="JSON merged into our kv_connector_extra_config")
     add("--engine-env", nargs="+", metavar="KEY=VALUE", help="env of every engine, e.g. "
         "UCX_LOG_LEVEL=info UCX_PROTO_INFO=y (which lane a READ takes)")  # fmt: skip
+    add("--variant-env", nargs="+", metavar="NAME:KEY=VALUE", help="env of one deployment's "
+        "engines, e.g. ours-before:PYTHONPATH=/old/tree:... (an earlier version of the "
+        "connector side by side with this one)")  # fmt: skip
     add("--kvcached", choices=KVCACHED_MODES, default="none")
     add("--kvcached-on", nargs="+", default=["ours"], metavar="KIND|NAME[=MODE]",
         help="deployments under kvcached (kinds or names, e.g. ours-kvc=contiguous)")  # fmt: skip
@@ -184,11 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("--num-decode", type=int, default=1)
     add("--input-len", type=int, nargs="+", default=None, help="rounds: 2048; scaling: 1k-32k")
     add("--output-len", type=int, default=None, help="rounds: 64; scaling, faults: 32")
-    add("--num-prompts", type=int, default=None, help="rounds: 64 per run")
+    add("--num-prompts", type=int, default=None,
+        help="rounds: 64 per run (0: concurrency x --prompts-per-slot, at least "
+             "--min-prompts, per point)")  # fmt: skip
     add("--concurrency", type=int, nargs="+", default=None, help="rounds: 16; scaling: 1 16 64")
     add("--rounds", type=int, default=3)
-    add("--prompts-per-slot", type=int, default=1, help="scaling: prompts = concurrency x this")
-    add("--min-prompts", type=int, default=4, help="scaling: at least this many per point")
+    add("--prompts-per-slot", type=int, default=1,
+        help="scaling (rounds with --num-prompts 0): prompts = concurrency x this")
+    add("--min-prompts", type=int, default=4,
+        help="scaling (rounds with --num-prompts 0): at least this many per point")
     add("--time-budget", type=float, default=None,
         help="s from the start; runs that would pass it are skipped and reported "
              "(rounds, scaling: 520, so that a command with its shutdown fits 10 minutes; "

@@ -14,6 +14,11 @@
 #   serve2k  vllm serve + vllm bench serve: ours (packed), NixlConnector, colocated; 2k in,
 #            concurrency 16, 3 rounds rotated, all up at once; read timelines kept
 #   serve8k  the same at 8k (48 prompts per round)
+#   serve    one run for the latency and verify_kv changes (issues 21, 26): ours with
+#            verify_kv (its default), ours without, ours as it was before them (the tree in
+#            .before/, carried: git archive <commit> kvshare_connector | tar -x -C .before),
+#            NixlConnector and colocated, all up at once; 2k and 8k x concurrency 1 and 16,
+#            3 rotated rounds; eager engines (no CUDA graphs: no torch.compile in the lease)
 set -u
 OUT=${OUT:?set OUT}
 mkdir -p "$OUT"
@@ -60,6 +65,21 @@ for step in "$@"; do
       python3 -m gpu_checks.kv_exact run --out "$OUT/kvx" --cells e2b/plain --gpus 1 \
         --verify --timeout 420 > "$OUT/kvx.log" 2>&1
       echo "kvx: exit $?"
+      ;;
+    serve)
+      weights
+      before=()
+      if [ -d .before/kvshare_connector ]; then
+        before=(before='{"verify_kv":false}' --variant-env "ours-before:PYTHONPATH=$PWD/.before:$PYTHONPATH")
+      fi
+      python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/serve" \
+        --deployments ours nixl colocated --ours-variants verify='{}' \
+        noverify='{"verify_kv":false}' "${before[@]}" \
+        --prefill-gpu 0 --decode-gpu 0 --colocated-gpu 0 --gpu-mem 0.12 --kv-cache-gib 2 \
+        --enforce-eager --input-len 2048 8192 --concurrency 1 16 --num-prompts 0 \
+        --prompts-per-slot 2 --min-prompts 4 --output-len 32 --rounds 3 --warmup-requests 4 \
+        --time-budget "${TIME_BUDGET:-540}" --grace 10 --keep-raw > "$OUT/serve.log" 2>&1
+      echo "serve: exit $?"
       ;;
     serve2k) serve 2048 64 serve2k ;;
     serve8k) serve 8192 48 serve8k ;;

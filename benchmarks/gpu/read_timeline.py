@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-PHASES = ("claimed", "posted", "landed", "verified", "reported")
+from kvshare_connector.transfer.records import PHASES
 
 
 def _pct(values: list[float], q: float) -> float:

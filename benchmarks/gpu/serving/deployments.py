@@ -86,15 +86,23 @@ def kvcached_mode(args: argparse.Namespace, name: str, kind: str) -> str:
     return "none"
 
 
-def engine_env_of(args: argparse.Namespace) -> dict[str, str]:
+def engine_env_of(args: argparse.Namespace, name: str | None = None) -> dict[str, str]:
     """``--engine-env KEY=VALUE`` items (e.g. ``UCX_LOG_LEVEL=info``: which UCX lane the
-    engines' READs take) for every engine."""
+    engines' READs take) for every engine, then deployment ``name``'s own
+    ``--variant-env NAME:KEY=VALUE`` items over them."""
     env = {}
     for item in args.engine_env or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SystemExit(f"--engine-env wants KEY=VALUE, got {item!r}")
         env[key] = value
+    for item in getattr(args, "variant_env", None) or []:
+        target, colon, pair = item.partition(":")
+        key, sep, value = pair.partition("=")
+        if not colon or not target or not sep or not key:
+            raise SystemExit(f"--variant-env wants NAME:KEY=VALUE, got {item!r}")
+        if target == name:
+            env[key] = value
     return env
 
 
@@ -176,11 +184,15 @@ def plan(args: argparse.Namespace, model_dir: Path, tokenizer: Path, raw: Path) 
     unknown = [i for i in args.kvcached_on if i.partition("=")[0] not in known]
     if unknown and args.kvcached_on != ["ours"]:  # the default names a kind that may be absent
         raise SystemExit(f"--kvcached-on {unknown}: no such deployment (have {sorted(known)})")
+    engine_env_of(args)  # every item well formed, whichever deployment it names
+    unknown = [i for i in args.variant_env or [] if i.partition(":")[0] not in known]
+    if unknown:
+        raise SystemExit(f"--variant-env {unknown}: no such deployment (have {sorted(known)})")
     server_cmd = args.server_cmd or os.environ.get("KVSHARE_SERVER_CMD") or SERVER_CMD
     planned = []
     for i, (name, kind, extra_cfg) in enumerate(named):
         base = args.base_port + PORT_STRIDE * i
-        env = {**kvcached_env(kvcached_mode(args, name, kind)), **engine_env_of(args)}
+        env = {**kvcached_env(kvcached_mode(args, name, kind)), **engine_env_of(args, name)}
         cfg = ServeConfig(
             model=str(model_dir), port=base, prefill_port=base + 1,
             decode_port=base + 1 + MAX_ENGINES,

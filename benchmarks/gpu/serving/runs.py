@@ -166,8 +166,9 @@ class Runner:
             for j, conc in enumerate(a.concurrency):
                 seed = a.seed + 1000 * rnd + 10 * i + j
                 file = f"bench/{p.name}_r{rnd}_in{length}_c{conc}.json"
+                n = a.num_prompts or max(a.min_prompts, conc * a.prompts_per_slot)
                 out.append(dict(round=rnd, input_len=length, output_len=a.output_len,
-                                concurrency=conc, num_prompts=a.num_prompts, seed=seed,
+                                concurrency=conc, num_prompts=n, seed=seed,
                                 file=file, warmup=False))  # fmt: skip
         return out
 
