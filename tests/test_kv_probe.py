@@ -317,8 +317,11 @@ def test_driver_verdicts(stack_topology, tmp_path, monkeypatch):
 # ---- the connector through vLLM's scheduler (emulated forward, NIXL or LMCache) ----------
 
 
-def _probe_pd(tmp_path: Path, prefill_layout: str, model: str, extra: dict) -> list[dict]:
-    """Prefill 3 requests, decode them (the last scrambled); each decode request compared."""
+def _probe_pd(
+    tmp_path: Path, prefill_layout: str, model: str, extra: dict, tamper: bool = False
+) -> list[dict]:
+    """Prefill 3 requests, decode them (the last scrambled; with ``tamper`` the second's
+    load is tampered with, which verify_kv must refuse); each decode request compared."""
     import json
 
     from kvshare_connector.devtools.engine_sim import Engine, decode_requests
@@ -340,7 +343,17 @@ def _probe_pd(tmp_path: Path, prefill_layout: str, model: str, extra: dict) -> l
         }
         scramble = dict(requests["p2"]["kv_transfer_params"], kvshare_probe_scramble=True)
         requests["p2"] = {"kv_transfer_params": scramble}
+        if tamper:
+            bad = dict(requests["p1"]["kv_transfer_params"], kvshare_probe_tamper=True)
+            requests["p1"] = {"kv_transfer_params": bad}
         report = decode_requests(made[1], requests, 300)
+        errors = {
+            r: (v["kv_transfer_params"] or {}).get("kv_load_error") for r, v in report.items()
+        }
+        if tamper:  # refused and computed locally; the others load
+            assert "VerificationError" in str(errors.pop("d1")), report["d1"]
+            made[1].loaded.pop("d1", None)
+            return [errors]
         assert all(r["kv_transfer_params"] is None for r in report.values())  # no load error
         # engine_sim's own pattern check agrees: loaded as written, except the scrambled one
         assert made[1].loaded["d0"] == made[1].loaded["d1"] == [] and made[1].loaded["d2"]
@@ -378,6 +391,13 @@ def test_probe_connector_nixl_pd(tmp_path, model, prefill_layout):
         assert result["sharers_missing"] == {"prefill": missing, "decode": 0}
     assert control["scrambled"] and control["mismatches"] == control["blocks_compared"] > 0
     assert all(LOCATION.fullmatch(loc) for loc in control["locations"])
+
+
+def test_probe_connector_tampered_load_is_refused_by_verify_kv(tmp_path):
+    """The GPU driver's tamper control, through vLLM's scheduler on the CPU: the probe
+    overwrites a block of one load after its READ; verify_kv (on by default) refuses it."""
+    (errors,) = _probe_pd(tmp_path, "per_layer", "g4tiny", {}, tamper=True)
+    assert errors == {"d0": None, "d2": None}
 
 
 def test_probe_connector_lmcache_pd(tmp_path, monkeypatch):

@@ -138,20 +138,25 @@ class KVProbeConnector(KVShareConnector):
         super().start_load_kv(forward_context, **kwargs)
 
     def _install_tamper(self) -> None:
-        """Wrap the sink's verification once: tampered loads get a block overwritten."""
+        """Wrap the sink's landing once: a tampered load gets a block overwritten once its
+        READ is done, before decode scatters and digests it (what a faulty transfer or a
+        stray write would leave; verify_kv must refuse the load)."""
         sink = getattr(getattr(self.worker, "backend", None), "sink", None)
         sink = getattr(sink, "sink", sink)  # the KVSink inside a ShardedSink
         if sink is None or getattr(sink, "probe_tamper", False):
             return
-        verify = sink._verify
+        land = sink._land
 
         def tampered(read: Any) -> None:
             if read.request_id in self._tamper:
                 self._tamper.discard(read.request_id)
-                _overwrite_first_block(sink, read)
-            verify(read)
+                if read.transfer is not None and read.transfer.slot is not None:
+                    _corrupt_staging(sink, read.transfer.slot)  # the scatter carries it
+                else:
+                    _overwrite_first_block(sink, read)
+            land(read)
 
-        sink._verify = tampered
+        sink._land = tampered
         sink.probe_tamper = True
 
     def wait_for_save(self) -> None:
@@ -288,6 +293,11 @@ def _overwrite_first_block(sink: Any, read: Any) -> None:
     memory = (sink.digester or sink.packer).memory
     span = memory.span_of(addr, 64)
     span.flat[addr - span.start : addr - span.start + 64].fill_(0x77)
+
+
+def _corrupt_staging(sink: Any, slot: int) -> None:
+    """64 bytes at the start of a packed read's staging slot, on its device."""
+    sink.packer.staging.buffer[slot : slot + 64].fill_(0x77)
 
 
 def _is_tensor(value: Any) -> bool:
