@@ -132,7 +132,8 @@ def _stop(procs: list[subprocess.Popen[bytes]], grace: float = 45.0) -> None:
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=10)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
 
 
 def _pass(v: dict[str, Any] | None) -> str:
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--cases", nargs="+", help=f"letters or names, of {sorted(CASES)}")
-    p.add_argument("--time-limit", type=float, default=540.0,
+    p.add_argument("--time-limit", type=float, default=520.0,
                    help="s for the whole matrix; then every case is stopped")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     args, extra = p.parse_known_args(argv)
