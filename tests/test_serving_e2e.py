@@ -1,6 +1,9 @@
 """bench_serving.py end to end on CPU: fake vLLM servers, the bench worker with a stand-in
 benchmark (vLLM's takes a minute to import on this host), the real vllm-router in front of
-1 prefill x 2 decodes, and the fault mode (prefill SIGKILLed under load, restarted)."""
+1 prefill x 2 decodes, and the fault mode through the real proxy: prefill SIGKILLed under
+load and restarted, prefill exiting at a failpoint (and one that never fires), prefill
+SIGSTOPped and resumed (and stopped past the probes' timeout), decode exiting at a failpoint
+with prefill's lease freeing what it held (and, without a lease, the leak seen)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from typing import Any
 import pytest
 
 from benchmarks.gpu import bench_serving as bs
+from benchmarks.gpu.serving import faults
 from kvshare_connector.toolkit.launcher import vllm_router_available
 from kvshare_connector.toolkit.procs import free_port_run, pick_free_port
 
@@ -107,31 +111,141 @@ def test_rounds_behind_the_real_router_1p2d(tmp_path: Path, monkeypatch: Any) ->
     assert "vllm-router" in (out / "summary.md").read_text()
 
 
+FAULT_LOAD = ["--mode", "faults", "--fault-rate", "5", "--load-seconds", "8", "--kill-after",
+              "2", "--restart-after", "0.5", "--concurrency", "4", "--drain-timeout", "10",
+              "--probe-timeout", "5", "--sample-interval", "0.3", "--rejoin-timeout", "30"]
+
+
+def _faults(tmp_path: Path, monkeypatch: Any, *argv: str) -> tuple[int, dict[str, Any], Path]:
+    """One fault run with the fake servers (the survivor answers plain requests)."""
+    monkeypatch.setenv("FAKE_DECODE_LOCAL", "1")  # decode serves requests without KV params
+    monkeypatch.setenv("FAKE_PREFILL_LOCAL", "1")  # and so does prefill
+    out = tmp_path / "out"
+    rc = bs.main(["--out", str(out), *_common(tmp_path, monkeypatch), *FAULT_LOAD, *argv])
+    return rc, json.loads((out / "faults.json").read_text()), out
+
+
+def _events(summary: dict[str, Any]) -> list[str]:
+    return [e["event"] for e in summary["events"] if e["event"] != "stale load answered"]
+
+
+def _failed(summary: dict[str, Any]) -> list[str]:
+    return [k for k, v in summary["verdicts"].items() if not v["ok"]]
+
+
 @pytest.mark.slow
 def test_fault_mode_kills_and_restarts_prefill(tmp_path: Path, monkeypatch: Any) -> None:
-    monkeypatch.setenv("FAKE_DECODE_LOCAL", "1")  # decode serves requests without KV params
-    out = tmp_path / "out"
-    rc = bs.main(
-        ["--out", str(out), *_common(tmp_path, monkeypatch), "--mode", "faults",
-         "--fault-rate", "5", "--load-seconds", "8", "--kill-after", "2", "--restart-after",
-         "0.5", "--concurrency", "4", "--drain-timeout", "10", "--probe-timeout", "5",
-         "--sample-interval", "0.3", "--rejoin-timeout", "30"]
-    )  # fmt: skip
-    summary = json.loads((out / "faults.json").read_text())
+    rc, summary, out = _faults(tmp_path, monkeypatch)
     assert rc == 0, summary["verdicts"]
-    events = [e["event"] for e in summary["events"] if e["event"] != "stale load answered"]
-    assert events[:4] == ["load start", "prefill killed", "prefill restarted", "prefill rejoined"]
-    assert "kv usage zero on every engine" in events
+    order = ["checks before the load", "load start", "fault", "victim restarted",
+             "victim rejoined", "checks after recovery", "kv usage zero on every engine"]
+    assert [e for e in _events(summary) if e in order] == order
+    assert "kv usage zero on every engine" in _events(summary)
+    assert summary["fault"]["how"] == "SIGKILL"
     v = summary["verdicts"]
-    kept = v["decode_kept_serving"]
-    ok, n = map(int, kept["direct_decode_probes_ok"].split("/"))
-    assert ok == n > 0
+    kept = v["survivor_kept_serving"]
+    ok, n = map(int, kept["direct_probes_ok"].split("/"))
+    assert ok == n > 0 and kept["survivor"] == "decode0"
     assert kept["stale_load"]["status"] == 400  # the fake decode cannot pull from a dead prefill
-    assert v["prefill_rejoined"]["checks_after"] == "8/8"
+    assert v["victim_rejoined"]["checks_after"] == "8/8"
     assert v["connector_series_live"]["decode"]["read_seconds_count"] > 0
+    assert v["no_wrong_kv"]["verified_loads"] > 0
     # The outage shows: requests failed (503 from the proxy) while prefill was down.
     assert summary["bench"]["failed"] > 0 and any("503" in e for e in summary["bench_errors"])
+    assert summary["measured"]["fault_to_first_good_s"] > 0
     text = (out / "faults.md").read_text()
-    assert "| prefill_rejoined | PASS |" in text and "prefill killed" in text
+    assert "| victim_rejoined | PASS |" in text and "victim restarted" in text
     with tarfile.open(out / "raw.tar.gz") as tar:
         assert "raw/logs/ours/prefill0-restarted.log" in tar.getnames()
+
+
+@pytest.mark.slow
+def test_fault_at_a_failpoint_prefill_exits_there(tmp_path: Path, monkeypatch: Any) -> None:
+    """The victim starts with KVSHARE_FAILPOINTS and exits at its 21st KV pull (2 warmup + 8
+    checks + 10 under load); the driver notices, restarts it without the failpoint."""
+    rc, summary, out = _faults(tmp_path, monkeypatch, "--fault-point", "source.claim_answered",
+                               "--kill-after", "30")  # fmt: skip
+    assert rc == 0, summary["verdicts"]
+    f = summary["fault"]
+    assert (f["how"], f["fired"], f["skip"]) == ("failpoint source.claim_answered", True, 20)
+    events = summary["events"]
+    fault = next(e for e in events if e["event"] == "fault")
+    assert fault["time"] - events[0]["time"] < 20  # it fired, long before --kill-after
+    deps = json.loads(_member(out, "raw/deployments.json"))
+    env = {e["name"]: e["env"] for e in deps["ours"]["engines"]}
+    assert env["prefill0"]["KVSHARE_FAILPOINTS"] == "source.claim_answered=exit@20"
+    assert "KVSHARE_FAILPOINTS" not in env["decode0"]
+    marker = "failpoint source.claim_answered: exit"  # the failpoint's own log line
+    assert marker in _member(out, "raw/logs/ours/prefill0.log")
+    assert marker not in _member(out, "raw/logs/ours/prefill0-restarted.log")  # not armed
+    assert summary["verdicts"]["victim_rejoined"]["checks_after"] == "8/8"
+
+
+@pytest.mark.slow
+def test_fault_failpoint_that_never_fires_is_recorded(tmp_path: Path, monkeypatch: Any) -> None:
+    """Negative control: a failpoint past every hit of the run never fires; the victim is
+    SIGKILLed after the grace and the run fails, saying so."""
+    monkeypatch.setattr(faults, "FIRE_GRACE_S", 1.0)
+    rc, summary, _ = _faults(tmp_path, monkeypatch, "--fault-point", "source.before_release",
+                             "--fault-skip", "100000")  # fmt: skip
+    assert rc == 1
+    assert summary["fault"]["fired"] is False
+    assert summary["fault"]["how"] == "SIGKILL (failpoint source.before_release did not fire)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop_s", [2.0, 7.0])
+def test_fault_stop_prefill_then_resume(tmp_path: Path, monkeypatch: Any, stop_s: float) -> None:
+    """Prefill SIGSTOPped, then SIGCONT: no restart, requests wait and are answered. The
+    control: stopped past the probes' timeout (5 s), probes go unanswered: no_hang FAILs."""
+    monkeypatch.setenv("FAKE_KV_LEASE", "2")  # the stale load's blocks, if never pulled
+    rc, summary, out = _faults(tmp_path, monkeypatch, "--fault-action", "stop",
+                               "--stop-seconds", str(stop_s))  # fmt: skip
+    events = _events(summary)
+    order = ["checks before the load", "load start", "fault", "victim resumed",
+             "victim rejoined"]
+    assert [e for e in events if e in order] == order
+    assert summary["fault"]["how"] == "SIGSTOP" and "victim restarted" not in events
+    with tarfile.open(out / "raw.tar.gz") as tar:
+        assert "raw/logs/ours/prefill0-restarted.log" not in tar.getnames()
+    if stop_s < 5:
+        assert rc == 0, summary["verdicts"]
+        assert summary["verdicts"]["survivor_kept_serving"]["stale_load"]["status"] == 400
+    else:
+        assert rc == 1 and _failed(summary) == ["no_hang"]
+        assert summary["verdicts"]["no_hang"]["probes_without_answer"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lease", [True, False])
+def test_fault_decode_exits_prefill_lease_frees(tmp_path: Path, monkeypatch: Any,
+                                                lease: bool) -> None:  # fmt: skip
+    """Decode exits at sink.read_posted (before its pull: prefill still holds the record);
+    prefill's lease frees it. The control: no lease and a decode reporting a verify_kv
+    failure: kv_usage_zero and no_wrong_kv FAIL."""
+    if lease:
+        monkeypatch.setenv("FAKE_KV_LEASE", "2")
+    else:
+        monkeypatch.setenv("FAKE_VERIFY_FAILURES", "1")
+    rc, summary, _ = _faults(tmp_path, monkeypatch, "--fault-victim", "decode",
+                             "--fault-point", "sink.read_posted", "--kill-after", "30",
+                             "--drain-timeout", "4")  # fmt: skip
+    events = _events(summary)
+    order = ["fault", "victim restarted", "victim rejoined"]
+    assert [e for e in events if e in order] == order
+    f = summary["fault"]
+    assert (f["victim"], f["engine"], f["survivor"]) == ("decode", "decode0", "prefill0")
+    v = summary["verdicts"]
+    assert v["survivor_kept_serving"]["direct_probes_ok"].split("/")[0] != "0"
+    if lease:
+        assert rc == 0, summary["verdicts"]
+        assert summary["measured"]["usage_after_drain"] == {"prefill0": 0.0, "decode0": 0.0}
+    else:
+        assert rc == 1 and _failed(summary) == ["kv_usage_zero", "no_wrong_kv"]
+        assert summary["measured"]["usage_after_drain"]["prefill0"] > 0  # leaked
+        assert v["no_wrong_kv"]["verify_failures"] >= 1
+
+
+def _member(out: Path, name: str) -> str:
+    with tarfile.open(out / "raw.tar.gz") as tar:
+        return tar.extractfile(name).read().decode()

@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
+from benchmarks.gpu import fault_matrix
 from benchmarks.gpu import serving_report as sr
-from benchmarks.gpu.serving import checks, faults, metrics, scaling
+from benchmarks.gpu.serving import checks, fault_report, metrics, scaling
 from benchmarks.gpu.serving.client import BenchClient
 
 from .test_bench_serving import vllm_result
@@ -80,59 +81,157 @@ def test_scaling_plan_and_time_estimate() -> None:
     assert scaling.estimate([(10**6, 15.0), (10**5, 5.5)], 4 * 10**6) == pytest.approx(45.0)
 
 
-def _fault_data(t0: float) -> dict[str, Any]:
-    ev = [("load start", 0.0), ("prefill killed", 10.0), ("prefill restarted", 13.0),
-          ("prefill rejoined", 40.0), ("load end", 60.0)]  # fmt: skip
+def _fault_data(t0: float, victim: str = "prefill", action: str = "kill") -> dict[str, Any]:
+    """Raw data of a fault run: the victim down from +10 s, back at +13 s, healthy at +40 s."""
+    survivor = "decode0" if victim == "prefill" else "prefill0"
+    back = "victim resumed" if action == "stop" else "victim restarted"
+    ev = [("load start", 0.0), ("fault", 10.0), (back, 13.0), ("victim rejoined", 40.0),
+          ("load end", 60.0)]  # fmt: skip
     events = [{"time": t0 + dt, "event": e} for e, dt in ev]
     events[-1]["still_running"] = False
-    samples = [{"time": t0 + k, "engines": {"decode0": {"healthy": True, "kv_cache_usage": 0.1},
-                "prefill0": {"healthy": not 10 <= k < 40}}} for k in range(0, 61, 2)]  # fmt: skip
+    counters = {"verified_loads_total": 5.0, "verify_failures_total": 0.0,
+                "failed_loads_total": 1.0}  # fmt: skip
+    samples = [{"time": t0 + k, "engines": {
+        survivor: {"healthy": True, "kv_cache_usage": 0.1},
+        f"{victim}0": {"healthy": not 10 <= k < 40}}} for k in range(0, 61, 2)]  # fmt: skip
+    for s in samples[:5]:  # decode's counters, scraped before the fault
+        s["engines"]["decode0"]["counters"] = counters
     probes = [{"time": t0 + k, "status": 503 if 10 <= k < 40 else 200, "seconds": 0.01}
               for k in range(60)]  # fmt: skip
     direct = [{"time": t0 + k + 0.5, "status": 200, "seconds": 0.02} for k in range(60)]
     stale = {"status": 200, "seconds": 0.4, "kv_load_error": "KV load failed: peer gone"}
     final = {"decode0": {"vllm:kvshare_read_seconds_count": 30.0,
-                         "vllm:kvshare_failed_loads_total": 2.0},
+                         "vllm:kvshare_failed_loads_total": 2.0,
+                         "vllm:kvshare_verified_loads_total": 7.0,
+                         "vllm:kvshare_verify_failures_total": 0.0},
              "prefill0": {"vllm:kvshare_sent_total": 8.0}}  # fmt: skip
+    ref = [{"status": 200, "token_ids": [i, i + 1]} for i in range(8)]
     return {"events": events, "samples": samples, "probes": probes, "drained_s": 3.0,
-            "decode_probes": direct, "stale_load": stale,
-            "after_rejoin": {"requests": 8, "ok": 8, "problems": []},
-            "final_kvshare": final}  # fmt: skip
+            "survivor_probes": direct, "stale_load": stale if victim == "prefill" else {},
+            "reference_records": ref, "after_records": [dict(r) for r in ref],
+            "after": {"requests": 8, "ok": 8, "problems": []},
+            "usage_after_drain": {"prefill0": 0.0, "decode0": 0.0}, "final_kvshare": final,
+            "fault": {"victim": victim, "engine": f"{victim}0", "survivor": survivor,
+                      "action": action, "how": "SIGKILL", "fired": True,
+                      "roles": {"prefill0": "prefill", "decode0": "decode"}}}  # fmt: skip
+
+
+def _result() -> dict[str, Any]:
+    """vLLM's detailed result: perf_counter start times; it ended at t0 + 61 after 60 s."""
+    return {"duration": 60.0, "completed": 50, "failed": 10,
+            "start_times": [500.0 + k for k in range(60)],
+            "errors": ["" if not 10 <= k < 20 else "HTTP 503" for k in range(60)],
+            "ttfts": [0.1] * 60, "itls": [[0.5, 0.6]] * 60}  # fmt: skip
 
 
 def test_fault_timeline_and_verdicts() -> None:
     t0 = 1_000_000.0
-    # vLLM's detailed result: perf_counter start times; the run ended at t0 + 61 after 60 s.
-    result = {"duration": 60.0, "completed": 50, "failed": 10,
-              "start_times": [500.0 + k for k in range(60)],
-              "errors": ["" if not 10 <= k < 20 else "HTTP 503" for k in range(60)],
-              "ttfts": [0.1] * 60, "itls": [[0.5, 0.6]] * 60}  # fmt: skip
-    reqs = faults.bench_requests(result, t0 + 61.0)
+    result = _result()
+    reqs = fault_report.bench_requests(result, t0 + 61.0)
     assert reqs[0]["time"] == pytest.approx(t0 + 1.0) and reqs[12]["ok"] is False
-    binned = faults.bins(reqs, t0 + 10.0, 2.0)
+    binned = fault_report.bins(reqs, t0 + 10.0, 2.0)
     assert binned[0] == {"ok": 1, "failed": 1} and binned[6] == {"ok": 2, "failed": 0}
     data = _fault_data(t0)
-    summary = faults.summarize(data, result, t0 + 61.0, 30.0, "decode0", "prefill0")
+    summary = fault_report.summarize(data, result, t0 + 61.0, 30.0)
     v = summary["verdicts"]
+    assert list(v) == list(fault_report.VERDICTS)
     assert all(x["ok"] for x in v.values()), v
-    kept = v["decode_kept_serving"]
-    assert kept["direct_decode_probes_ok"] == "50/50" and kept["decode_healthy_samples"] == "26/26"
-    assert kept["front_requests_after_kill_ok"] == "41/51"
-    assert kept["in_flight_at_kill"] == "1/1 ok"  # started at +9 s, 1.2 s long
+    kept = v["survivor_kept_serving"]
+    assert kept["survivor"] == "decode0" and kept["direct_probes_ok"] == "50/50"
+    assert kept["healthy_samples"] == "26/26"
+    assert kept["front_requests_after_fault_ok"] == "41/51"
+    assert kept["in_flight_at_fault"] == "1/1 ok"  # started at +9 s, 1.2 s long
     assert kept["stale_load"]["kv_load_error"].startswith("KV load failed")
     assert v["connector_series_live"]["prefill"] == {"sent_total": 8.0}
-    text = faults.markdown({**summary, "setup": {"front": "kvshare"}})
-    assert "| no_hang | PASS |" in text and "prefill rejoined" in text
+    assert v["no_wrong_kv"]["verified_loads"] == 7.0
+    m = summary["measured"]
+    assert (m["completed"], m["failed"], m["local_loads"]) == (50, 10, 2)
+    assert m["errors"] == ["HTTP 503"] and m["probe_errors"] == ["HTTP 503"]
+    # Restarted at +13 s; the first good request through the front (a bench request sent
+    # at +21 s, 1.2 s long) ended 12.2 s after the fault, before the health probe saw the
+    # victim back (+40 s).
+    assert m["fault_to_first_good_s"] == pytest.approx(12.2, abs=0.05)
+    assert m["healthy_to_first_good_s"] == pytest.approx(-17.8, abs=0.05)
+    text = fault_report.markdown({**summary, "setup": {"front": "kvshare"}})
+    assert "| no_hang | PASS |" in text and "victim rejoined" in text
     assert "| +0 | 1 | 1 | 0 | 2 | 2 | 0 |" in text
-    # A probe that never answered, a decode that went down, KV that never drained, a stale
-    # load that hung: FAIL.
+    # A probe that never answered, a survivor that went down, KV that never drained, a
+    # stale load that hung, a verify failure: FAIL.
     data["stale_load"] = {"status": None, "seconds": 30.0}
     data["probes"].append({"time": t0 + 20, "status": None, "seconds": 30.0})
     data["samples"][10]["engines"]["decode0"]["healthy"] = False
     data["drained_s"] = None
-    v = faults.summarize(data, result, t0 + 61.0, 30.0, "decode0", "prefill0")["verdicts"]
+    data["final_kvshare"]["decode0"]["vllm:kvshare_verify_failures_total"] = 1.0
+    v = fault_report.summarize(data, result, t0 + 61.0, 30.0)["verdicts"]
     assert [k for k, x in v.items() if not x["ok"]] == [
-        "decode_kept_serving", "no_hang", "kv_usage_zero"]  # fmt: skip
+        "survivor_kept_serving", "no_hang", "kv_usage_zero", "no_wrong_kv"]  # fmt: skip
+    assert v["no_wrong_kv"]["verify_failures"] == 1.0
+
+
+def test_fault_verdicts_decode_victim_and_stop() -> None:
+    t0 = 1_000_000.0
+    # A decode victim: prefill is the survivor, answering plain requests straight to it.
+    data = _fault_data(t0, victim="decode")
+    v = fault_report.summarize(data, _result(), t0 + 61.0, 30.0)["verdicts"]
+    assert all(x["ok"] for x in v.values()), v
+    assert v["survivor_kept_serving"]["survivor"] == "prefill0"
+    assert v["victim_rejoined"]["victim"] == "decode0"
+    # Decode restarted: its counters start over (5 verified loads before, 3 after).
+    data["final_kvshare"]["decode0"]["vllm:kvshare_verified_loads_total"] = 3.0
+    v = fault_report.summarize(data, _result(), t0 + 61.0, 30.0)["verdicts"]
+    assert v["no_wrong_kv"]["verified_loads"] == 8.0
+    # A check after recovery whose greedy answer differs from before the fault: wrong KV.
+    data["after_records"][3]["token_ids"] = [9, 9]
+    v = fault_report.summarize(data, _result(), t0 + 61.0, 30.0)["verdicts"]
+    assert not v["no_wrong_kv"]["ok"] and v["no_wrong_kv"]["check_outputs_differing"] == 1
+    # A stop: judged on "victim resumed"; never resumed (no such event): victim_rejoined FAIL.
+    data = _fault_data(t0, action="stop")
+    v = fault_report.summarize(data, _result(), t0 + 61.0, 30.0)["verdicts"]
+    assert v["victim_rejoined"]["ok"]
+    data["events"] = [e for e in data["events"] if e["event"] != "victim resumed"]
+    v = fault_report.summarize(data, _result(), t0 + 61.0, 30.0)["verdicts"]
+    assert not v["victim_rejoined"]["ok"]
+    # A request that took longer than the probe timeout: no_hang FAIL.
+    result = _result()
+    result["itls"][30] = [40.0]
+    v = fault_report.summarize(_fault_data(t0), result, t0 + 61.0, 30.0)["verdicts"]
+    assert not v["no_hang"]["ok"] and v["no_hang"]["requests_past_timeout"] == 1
+
+
+def test_counter_total_sums_across_restarts() -> None:
+    assert fault_report.counter_total([None, 1.0, 3.0, None, 2.0, 4.0]) == 7.0
+    assert fault_report.counter_total([]) == 0.0
+
+
+def test_fault_matrix_cases_commands_and_table(tmp_path: Path) -> None:
+    cases = fault_matrix.pick(None)
+    assert [c.name for c in cases] == ["prefill_claim", "decode_read", "prefill_stop",
+                                       "prefill_release"]  # fmt: skip
+    assert fault_matrix.pick(["b", "prefill_stop"]) == [cases[1], cases[2]]
+    with pytest.raises(SystemExit):
+        fault_matrix.pick(["z"])
+    argvs = [fault_matrix.case_argv(c, i, "/m", tmp_path, ["--input-len", "1024"])
+             for i, c in enumerate(cases)]  # fmt: skip
+    ports = {a[a.index("--base-port") + 1] for a in argvs}
+    sides = {a[a.index("--side-channel-port") + 1] for a in argvs}
+    assert len(ports) == len(sides) == 4
+    outs = [a[a.index("--out") + 1] for a in argvs]
+    assert outs == [str(tmp_path / c.name) for c in cases]
+    assert argvs[1][argvs[1].index("--extra-config") + 1] == '{"kv_lease_duration": 15}'
+    assert argvs[0][-2:] == ["--input-len", "1024"]
+    # The table: one case with a summary, one with none (its process gave no result).
+    t0 = 1_000_000.0
+    summary = fault_report.summarize(_fault_data(t0), _result(), t0 + 61.0, 30.0)
+    (tmp_path / "prefill_claim").mkdir()
+    (tmp_path / "prefill_claim" / "faults.json").write_text(json.dumps(summary))
+    rows = fault_matrix.write_table(tmp_path, cases[:2], {"prefill_claim": 0, "decode_read": 1})
+    assert rows[0]["completed_failed_local"] == "50/10/2"
+    text = (tmp_path / "fault_matrix.md").read_text()
+    assert "| prefill_claim | prefill | SIGKILL | PASS | PASS | PASS | PASS | PASS | PASS | " \
+           "50/10/2 | 12.2 | prefill0 0.0%, decode0 0.0% | 7.0 |  |" in text
+    assert "| decode_read | decode | failpoint sink.read_posted | — | — | — | — | — | — | " in text
+    assert "no result (exit 1, see decode_read.log)" in text
+    assert "HTTP 503" in text
 
 
 def test_scaling_report_marks_points_not_reached_and_plots(tmp_path: Path) -> None:

@@ -13,8 +13,14 @@ Modes (``--mode``):
   concurrency 16 by default (a run is 10-30 s).
 * ``scaling``: 1k/4k/16k/32k prompts x concurrency 1/16/64, one round, few prompts per
   point, bounded by ``--time-budget``; points not reached are reported as such.
-* ``faults``: one of our deployments under load, prefill SIGKILLed and restarted
-  (faults.md: decode kept serving, nothing hung, prefill rejoined, KV usage back to zero).
+* ``faults``: one of our deployments under load, one engine (``--fault-victim prefill|decode``)
+  hit and brought back: killed at a failpoint (``--fault-point source.claim_answered``: it
+  starts with ``KVSHARE_FAILPOINTS=NAME=exit@K``, K = ``--fault-skip``) or by SIGKILL at
+  ``--kill-after`` s, then restarted without the failpoint; or (``--fault-action stop``)
+  SIGSTOPped for ``--stop-seconds``, then SIGCONT. faults.md: the survivor kept serving,
+  nothing hung, the victim rejoined, KV usage back to zero, connector series live, no wrong
+  KV; with requests completed/failed/computed locally and the time to the first good
+  request. Several cases at once on one GPU: ``python -m benchmarks.gpu.fault_matrix``.
 
 Every deployment is warmed up by a handful of greedy requests whose answers are checked
 (checks/); ``vllm bench serve`` runs in one long-lived process (serving/bench_worker.py).
@@ -24,6 +30,9 @@ them (also later: ``--report OUT``). Without a CUDA GPU it says so and exits 0.
 
     . .gpu/bin/env.sh
     python -m benchmarks.gpu.bench_serving --make-weights gemma4_e2b_shape --out OUT [--mode ...]
+    python -m benchmarks.gpu.bench_serving --model-dir DIR --out OUT --mode faults \
+        --fault-victim decode --fault-point sink.read_posted \
+        --extra-config '{"kv_lease_duration": 15}' --prefill-gpu 0 --decode-gpu 0
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ from benchmarks.gpu.serving.deployments import (  # noqa: F401
     sampled_vocab,
 )
 from benchmarks.gpu.serving.runs import Runner
+from kvshare_connector.common.failpoints import POINTS as FAILPOINTS
 from kvshare_connector.toolkit.procs import signals_interrupt
 
 MODES = ("rounds", "scaling", "faults")
@@ -103,6 +113,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
             "would hold ids the model has no embedding for"
         )
     planned = plan(args, model_dir, tokenizer, raw)
+    if args.mode == "faults":
+        from benchmarks.gpu.serving.faults import arm
+
+        arm(planned, args)  # before deployments.json: it shows the victim's failpoint
     check_memory(planned, args.one_at_a_time)
     meta = {k: v for k, v in vars(args).items() if k != "func"}
     meta.update(model_dir=str(model_dir), tokenizer=str(tokenizer), gpus=gpu_names(),
@@ -228,10 +242,25 @@ def build_parser() -> argparse.ArgumentParser:
     f = p.add_argument_group("faults mode")
     f.add_argument("--fault-rate", type=float, default=4.0, help="requests/s offered")
     f.add_argument("--load-seconds", type=float, default=60.0, help="length of the offered load")
-    f.add_argument("--kill-after", type=float, default=15.0, help="s after load start: SIGKILL")
+    f.add_argument("--fault-victim", choices=["prefill", "decode"], default="prefill")
+    f.add_argument("--fault-action", choices=["kill", "stop"], default="kill",
+                   help="kill: the victim dies (at --fault-point, else SIGKILL at "
+                        "--kill-after) and is restarted; stop: SIGSTOP at --kill-after, "
+                        "SIGCONT --stop-seconds later")  # fmt: skip
+    f.add_argument("--fault-point", choices=sorted(FAILPOINTS), default=None,
+                   help="kill: the victim exits at this failpoint (KVSHARE_FAILPOINTS)")
+    f.add_argument("--fault-skip", type=int, default=None,
+                   help="failpoint hits let pass first (default: warmup requests + 18: the "
+                        "warm-up and the reference checks, then 10 under load)")  # fmt: skip
+    f.add_argument("--kill-after", type=float, default=15.0,
+                   help="s after load start: SIGKILL or SIGSTOP (a failpoint not fired by "
+                        "this + 30 s: SIGKILL, recorded as not fired)")  # fmt: skip
     f.add_argument("--restart-after", type=float, default=3.0, help="s after the kill")
-    f.add_argument("--rejoin-timeout", type=float, default=180.0, help="s for prefill to return")
-    f.add_argument("--drain-timeout", type=float, default=60.0, help="s for KV usage to hit 0")
+    f.add_argument("--stop-seconds", type=float, default=25.0,
+                   help="stop: s between SIGSTOP and SIGCONT (handshake timeout: 10)")
+    f.add_argument("--rejoin-timeout", type=float, default=180.0, help="s for the victim to return")
+    f.add_argument("--drain-timeout", type=float, default=None,
+                   help="s for KV usage to hit 0 (default: max(60, kv_lease_duration + 30))")
     f.add_argument("--probe-timeout", type=float, default=30.0, help="s per probe request")
     f.add_argument("--sample-interval", type=float, default=0.5)
     t = p.add_argument_group("tests")
@@ -249,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.out or not (args.model_dir or args.make_weights):
         build_parser().error("--out and --model-dir (or --make-weights) are required")
+    if args.fault_point and args.fault_action == "stop":
+        build_parser().error("--fault-point goes with --fault-action kill (the point exits)")
     apply_mode_defaults(args)
     if not args.server_cmd:
         why = has_cuda()

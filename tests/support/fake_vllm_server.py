@@ -20,6 +20,14 @@ purpose when ``a + b`` is divisible by 3, so accuracy is neither 0 nor 1).
 With ``FAKE_CORRUPT_DECODE=1`` in its environment a decode server shifts every number it
 generates (a negative control for the sweep).
 
+For the fault tests (benchmarks/gpu/serving/faults.py): ``KVSHARE_FAILPOINTS`` is honoured
+with the real parser, a prefill hitting its ``source.*`` points at each KV pull and a decode
+its ``sink.*``/``peers.*`` points at each load, before it pulls (so ``exit@K`` dies at the
+K+1st); a prefill reports ``vllm:kv_cache_usage_perc`` from the KV records it still holds,
+freed when pulled or, with ``FAKE_KV_LEASE=S``, after S seconds (without: a dead decode's
+records leak); ``FAKE_PREFILL_LOCAL=1`` lets a prefill serve plain requests;
+``FAKE_VERIFY_FAILURES=N`` makes a decode report N verify_kv failures.
+
 Run as ``python tests/support/fake_vllm_server.py --port N --role prefill|decode|colocated``;
 unknown (vLLM) arguments are accepted, and ``--kv-transfer-config`` is checked against the role.
 """
@@ -46,6 +54,8 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from kvshare_connector.common import failpoints
 
 KV_KEYS = frozenset(
     {
@@ -156,6 +166,29 @@ class FakeState:
     hits: Counter = field(default_factory=Counter)
     requests: list[dict[str, Any]] = field(default_factory=list)
     launch: dict[str, Any] = field(default_factory=dict)
+    issued_at: dict[str, float] = field(default_factory=dict)
+    failpoints: list[str] = field(default_factory=list)  # armed points of this role
+
+    def held(self) -> int:
+        """KV records still held (those past ``FAKE_KV_LEASE`` seconds freed first)."""
+        lease = os.environ.get("FAKE_KV_LEASE")
+        if lease:
+            now = time.monotonic()
+            for rid in [r for r, t in self.issued_at.items() if now - t > float(lease)]:
+                self.issued.pop(rid, None)
+                self.issued_at.pop(rid, None)
+        return len(self.issued)
+
+    def hit_failpoints(self) -> None:
+        for name in self.failpoints:
+            failpoints.failpoint(name)
+
+
+def armed_points(role: str) -> list[str]:
+    """The points of ``KVSHARE_FAILPOINTS`` this role's fake hits."""
+    prefixes = {"prefill": ("source.",), "decode": ("sink.", "peers.")}.get(role, ())
+    armed = failpoints.parse(os.environ.get(failpoints.ENV, ""))
+    return [n for n in armed if n.startswith(prefixes)]
 
 
 def _check_prefill(body: dict[str, Any], chat: bool) -> None:
@@ -290,11 +323,14 @@ def create_fake_app(state: FakeState) -> FastAPI:
         lab = f'engine="0",model_name="{state.model}"'
         lines = [
             f'vllm:request_success_total{{{lab},finished_reason="length"}} {served}',
-            f"vllm:kv_cache_usage_perc{{{lab}}} 0.0",
+            f"vllm:kv_cache_usage_perc{{{lab}}} {state.held() / 100}",
             f"vllm:num_requests_running{{{lab}}} 0.0",
         ]
         if state.role == "decode":
             lines.append(f"vllm:kvshare_read_seconds_count{{{lab}}} {served}")
+            lines.append(f"vllm:kvshare_verified_loads_total{{{lab}}} {state.hits['loads']}")
+            bad = os.environ.get("FAKE_VERIFY_FAILURES", "0")
+            lines.append(f"vllm:kvshare_verify_failures_total{{{lab}}} {bad}")
         elif state.role == "prefill":
             lines.append(f"vllm:kvshare_sent_total{{{lab}}} {served}")
         return PlainTextResponse("\n".join(lines) + "\n")
@@ -305,6 +341,9 @@ def create_fake_app(state: FakeState) -> FastAPI:
 
     @app.get("/debug/kv/{request_id}")
     async def pull_kv(request_id: str) -> Response:
+        state.hit_failpoints()
+        state.held()
+        state.issued_at.pop(request_id, None)
         record = state.issued.pop(request_id, None)
         if record is None:
             return JSONResponse({"error": f"no KV held for {request_id}"}, status_code=404)
@@ -336,8 +375,11 @@ def create_fake_app(state: FakeState) -> FastAPI:
                 {"error": {"message": f"model {body['model']!r} not served"}}, status_code=404
             )
         kv_out = None
+        plain = "kv_transfer_params" not in body
         try:
-            if state.role == "prefill":
+            if state.role == "prefill" and plain and os.environ.get("FAKE_PREFILL_LOCAL") == "1":
+                pass  # a plain request on a prefill engine: computed there, as vLLM does
+            elif state.role == "prefill":
                 _check_prefill(body, chat)
                 rid = request_id or uuid.uuid4().hex
                 kv_out = {
@@ -352,10 +394,13 @@ def create_fake_app(state: FakeState) -> FastAPI:
                     "remote_num_tokens": len(_TOKEN.findall(prompt_of(body, chat))),
                 }
                 state.issued[rid] = {"kv_transfer_params": kv_out, "digest": digest(body, chat)}
+                state.issued_at[rid] = time.monotonic()
             elif state.role == "decode" and not (
-                "kv_transfer_params" not in body and os.environ.get("FAKE_DECODE_LOCAL") == "1"
+                plain and os.environ.get("FAKE_DECODE_LOCAL") == "1"
             ):  # FAKE_DECODE_LOCAL=1: a request without params is computed locally, as vLLM does
+                state.hit_failpoints()
                 await _check_decode(state, body, chat, request_id)
+                state.hits["loads"] += 1
         except PDViolation as exc:
             return JSONResponse(
                 {"error": {"message": f"fake {state.role}: {exc}"}}, status_code=400
@@ -443,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         port=args.port,
         fail_mode=args.fail_mode,
         delay=args.delay,
+        failpoints=armed_points(args.role),
     )
     state.launch = {
         "argv": sys.argv[1:] if argv is None else argv,

@@ -1,13 +1,24 @@
-"""Fault under load (issue #13 item 7): prefill SIGKILLed while ``vllm bench serve`` drives
-a PD deployment, restarted, and the aftermath measured.
+"""Fault under load (issues #13, #25): one engine of a PD deployment (the *victim*, prefill
+or decode) hit while ``vllm bench serve`` drives it, then brought back, and the aftermath
+measured.
 
-Timeline (wall clock, every ``--sample-interval`` s): each engine's ``/health`` and
-metrics (running requests, requests served, KV cache usage), one small probe request per
-second through the front, and the events (load start, kill, restart, rejoin, load end).
-Afterwards: checked requests through the front (the restarted prefill serves again), every
-engine's KV cache usage polled until zero, and our connector's ``vllm:kvshare_*`` series.
-Verdicts: decode kept serving, nothing hung (the load ended, every probe answered within
-its timeout), prefill rejoined and served, KV usage back to zero, connector series live.
+How the fault lands (``--fault-action``, ``--fault-point``):
+
+* ``kill`` with ``--fault-point NAME``: the victim starts with
+  ``KVSHARE_FAILPOINTS="NAME=exit@K"`` and dies exactly there (inside the data path, after
+  K hits: past the warm-up); the driver notices it ended (its process, or the failpoint's
+  line in its log), kills what is left of its group, and restarts it without the failpoint.
+  Not fired by ``--kill-after`` + 30 s: SIGKILLed and recorded as "did not fire".
+* ``kill`` without a point: SIGKILL at ``--kill-after`` s of wall clock, then restarted.
+* ``stop``: the victim's process group SIGSTOPped at ``--kill-after`` for
+  ``--stop-seconds`` (longer than the handshake timeout), then SIGCONT; no restart.
+
+Timeline (every ``--sample-interval`` s): each engine's ``/health`` and metrics, one probe
+per second through the front and one plain request per second straight to the survivor,
+and the events. Before the load and after recovery the same greedy check prompts go through
+the front (outputs compared: wrong KV shows as a different answer); afterwards every
+engine's KV usage is polled until zero (a dead decode's blocks wait for prefill's lease).
+Verdicts and numbers: fault_report.py.
 """
 
 from __future__ import annotations
@@ -22,7 +33,14 @@ from typing import Any
 import httpx
 
 from benchmarks.gpu.serving import checks, metrics
+from benchmarks.gpu.serving.deployments import Planned
+from benchmarks.gpu.serving.fault_report import markdown, summarize
 from benchmarks.gpu.serving.runs import Runner
+from kvshare_connector.common import failpoints
+from kvshare_connector.toolkit.procs import ManagedProcess
+
+FIRE_GRACE_S = 30.0  # a failpoint not fired by --kill-after + this: SIGKILL instead
+CHECK_PROMPTS = 8
 
 
 def _probe(
@@ -51,18 +69,56 @@ def _health(url: str) -> bool:
         return False
 
 
+def default_skip(args: Any) -> int:
+    """Failpoint hits to let pass: the warm-up and the reference checks (each one request
+    through the data path), then 10 more, so the fault lands under the load."""
+    return args.warmup_requests + CHECK_PROMPTS + 10
+
+
+def lease_seconds(args: Any) -> float:
+    """Prefill's ``kv_lease_duration`` in this run (the connector's default 30 s)."""
+    return float(json.loads(args.extra_config or "{}").get("kv_lease_duration", 30.0))
+
+
+def drain_timeout(args: Any) -> float:
+    """--drain-timeout, by default long enough for prefill's lease to free blocks a dead
+    decode never released."""
+    if args.drain_timeout is not None:
+        return float(args.drain_timeout)
+    return max(60.0, lease_seconds(args) + 30.0)
+
+
+def arm(planned: list[Planned], args: Any) -> None:
+    """Before anything starts (and is described): the victim, only it, gets the failpoint."""
+    point = args.fault_point
+    if not point:
+        return
+    if point not in failpoints.POINTS:
+        raise SystemExit(f"--fault-point {point!r}: one of {sorted(failpoints.POINTS)}")
+    skip = args.fault_skip if args.fault_skip is not None else default_skip(args)
+    victim = next(e for e in planned[0].deployment.engines if e.role == args.fault_victim)
+    victim.env[failpoints.ENV] = f"{point}=exit@{skip}"
+
+
 class FaultRun:
-    """Drives one deployment through load, kill, restart, checks and drain."""
+    """Drives one deployment through load, fault, recovery, checks and drain."""
 
     def __init__(self, runner: Runner) -> None:
         self.runner, self.args = runner, runner.args
         self.p = runner.planned[0]
+        a = self.args
+        engines = self.p.deployment.engines
+        self.victim = next(e for e in engines if e.role == a.fault_victim)
+        self.survivor = next(e for e in engines if e.role != a.fault_victim)
+        self.decode = next(e for e in engines if e.role == "decode")
+        self.skip = a.fault_skip if a.fault_skip is not None else default_skip(a)
         self.samples: list[dict[str, Any]] = []
         self.probes: list[dict[str, Any]] = []
-        self.decode_probes: list[dict[str, Any]] = []  # straight to decode, no KV params
+        self.survivor_probes: list[dict[str, Any]] = []  # plain requests, no KV params
         self.stale: dict[str, Any] = {}
         self.events: list[dict[str, Any]] = []
         self.stop = threading.Event()
+        self._log_offset = 0
 
     def event(self, what: str, **info: Any) -> None:
         self.events.append({"time": time.time(), "event": what, **info})
@@ -73,7 +129,8 @@ class FaultRun:
         for e in self.p.deployment.engines:
             summary = metrics.engine_summary(metrics.scrape(e.url, timeout=1.0))
             summary["healthy"] = _health(e.url)
-            summary.pop("kvshare", None)
+            ours = summary.pop("kvshare", None) or {}
+            summary["counters"] = {k: v for k, v in ours.items() if k.endswith("_total")}
             engines[e.name] = summary
         self.samples.append({"time": time.time(), "engines": engines})
 
@@ -95,30 +152,76 @@ class FaultRun:
                      kv_transfer_params=params)  # fmt: skip
         return rec.get("kv_transfer_params")
 
-    def _stale_load(self, decode_url: str, params: dict[str, Any] | None) -> None:
-        """Decode asked to load from the prefill just killed: it must fail closed
-        (compute locally, ``kv_load_error``, or an error status), promptly, not hang."""
+    def _stale_load(self, params: dict[str, Any] | None) -> None:
+        """Decode asked to load from the prefill just killed or stopped: it must fail
+        closed (compute locally, ``kv_load_error``, or an error status), promptly."""
         if not params:
             self.stale = {"skipped": "prefill gave no kv_transfer_params"}
             return
-        rec = _probe(decode_url, self.args.served_model_name, self.runner.vocab,
+        rec = _probe(self.decode.url, self.args.served_model_name, self.runner.vocab,
                      self.args.probe_timeout, 99_999, kv_transfer_params=params)  # fmt: skip
         rec.pop("kv_transfer_params", None)
         self.stale = rec
-        self.event(
-            "stale load answered",
-            status=rec["status"],
-            seconds=round(rec["seconds"], 2),
-            kv_load_error=rec.get("kv_load_error"),
-        )
+        self.event("stale load answered", status=rec["status"],
+                   seconds=round(rec["seconds"], 2), kv_load_error=rec.get("kv_load_error"))
+
+    def _fired(self, proc: ManagedProcess) -> bool:
+        """The armed failpoint fired: the victim's process ended, or its log says so (a
+        vLLM engine core dies there; its API server may linger)."""
+        if not proc.alive():
+            return True
+        try:
+            with open(proc.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                text = f.read()
+        except OSError:
+            return False
+        marker = f"failpoint {self.args.fault_point}: exit".encode()
+        found = marker in text
+        self._log_offset += max(0, len(text) - len(marker))
+        return found
+
+    def _checks(self, tag: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The same greedy prompts through the front, one at a time (the same batch every
+        time: outputs comparable before and after the fault)."""
+        a = self.args
+        prompts = checks.prompt_ids(a.seed + 4242, CHECK_PROMPTS, min(a.input_len[0], 1024),
+                                    self.runner.vocab)  # fmt: skip
+        records = checks.send_checks(self.p.endpoint, a.served_model_name, prompts, 8, 1, 120.0)
+        verdict = checks.judge(records, 8)
+        self.event(f"checks {tag}", ok=verdict["ok"], of=verdict["requests"])
+        return records, verdict
+
+    def _fault(self, proc: ManagedProcess, now: float) -> dict[str, Any] | None:
+        """The fault, if it is due (or it fired): what happened, else None."""
+        a, victim = self.args, self.victim
+        info = {"victim": victim.role, "engine": victim.name}
+        if a.fault_point:
+            if self._fired(proc):
+                proc.signal_group(signal.SIGKILL)  # what is left of it (orphaned workers)
+                return {**info, "how": f"failpoint {a.fault_point}", "fired": True}
+            if now >= a.kill_after + FIRE_GRACE_S:
+                proc.signal_group(signal.SIGKILL)
+                print(f"[faults] failpoint {a.fault_point} did not fire: SIGKILL", flush=True)
+                return {**info, "how": f"SIGKILL (failpoint {a.fault_point} did not fire)",
+                        "fired": False}  # fmt: skip
+            return None
+        if now < a.kill_after:
+            return None
+        stale = self._prefill_only(victim.url) if victim.role == "prefill" else None
+        stop = a.fault_action == "stop"
+        proc.signal_group(signal.SIGSTOP if stop else signal.SIGKILL)
+        if victim.role == "prefill":
+            threading.Thread(target=self._stale_load, args=(stale,), daemon=True).start()
+        return {**info, "how": "SIGSTOP" if stop else "SIGKILL", "fired": True}
 
     def run(self) -> dict[str, Any]:
         a, runner, p = self.args, self.runner, self.p
         if not runner.start(p):
             return {"error": runner.broken.get(p.name)}
         runner.warmup(p)
-        victim = next(e for e in p.deployment.engines if e.role == "prefill")
-        decode = next(e for e in p.deployment.engines if e.role == "decode")
+        ref_records, _ = self._checks("before the load")
+        victim = self.victim
         proc = next(x for x in p.deployment.procs if x.name == victim.name)
         n = max(1, int(a.fault_rate * a.load_seconds))
         run = dict(round=0, input_len=a.input_len[0], output_len=a.output_len,
@@ -130,72 +233,93 @@ class FaultRun:
             threading.Thread(target=self._probe_loop, args=(p.endpoint, self.probes, 0),
                              daemon=True),
             threading.Thread(target=self._probe_loop,
-                             args=(decode.url, self.decode_probes, 50_000), daemon=True),
+                             args=(self.survivor.url, self.survivor_probes, 50_000), daemon=True),
         ]  # fmt: skip
         self.event("load start", prompts=n, rate=a.fault_rate)
         t0 = time.monotonic()
         load.start()
         for t in probers:
             t.start()
-        killed = restarted = rejoined = load_done = None
+        fault = back = rejoined = load_done = None
+        fired = True
         new_proc = None
-        stale_params = None
-        while load.is_alive() or (restarted and not rejoined and
-                                  time.monotonic() - restarted < a.rejoin_timeout):  # fmt: skip
-            now = time.monotonic() - t0
-            if load_done is None and not load.is_alive():
-                load_done = time.monotonic()
-                self.event("load end")
-            if killed is None and now >= a.kill_after:
-                stale_params = self._prefill_only(victim.url)
-                proc.signal_group(signal.SIGKILL)
-                killed = time.monotonic()
-                self.event("prefill killed", engine=victim.name, signal="SIGKILL")
-                threading.Thread(target=self._stale_load, args=(decode.url, stale_params),
-                                 daemon=True).start()  # fmt: skip
-            if killed and restarted is None and time.monotonic() - killed >= a.restart_after:
-                new_proc = p.deployment._spawn(f"{victim.name}-restarted", victim.argv, victim.env)
-                restarted = time.monotonic()
-                self.event("prefill restarted", engine=victim.name, pid=new_proc.pid)
-            if restarted and rejoined is None and _health(victim.url):
-                rejoined = time.monotonic()
-                self.event("prefill rejoined", seconds_after_restart=round(rejoined - restarted, 1))
-            if new_proc is not None and not new_proc.alive() and rejoined is None:
-                self.event("restarted prefill exited", log=str(new_proc.log_path))
-                break
-            self.sample()
-            time.sleep(a.sample_interval)
+        try:
+            while True:
+                mono = time.monotonic()
+                if load_done is None and not load.is_alive():
+                    load_done = mono
+                    self.event("load end")
+                if fault is None:
+                    what = self._fault(proc, mono - t0)
+                    if what is not None:
+                        fault, fired = mono, what["fired"]
+                        self.event("fault", **what)
+                elif back is None and a.fault_action == "stop":
+                    if mono - fault >= a.stop_seconds:
+                        proc.signal_group(signal.SIGCONT)
+                        back = mono
+                        self.event("victim resumed", engine=victim.name)
+                elif back is None and mono - fault >= a.restart_after:
+                    env = {**victim.env, failpoints.ENV: ""}  # back without the failpoint
+                    new_proc = p.deployment._spawn(f"{victim.name}-restarted", victim.argv, env)
+                    back = mono
+                    self.event("victim restarted", engine=victim.name, pid=new_proc.pid)
+                if back and rejoined is None and _health(victim.url):
+                    rejoined = time.monotonic()
+                    self.event("victim rejoined", seconds_after_back=round(rejoined - back, 1))
+                if new_proc is not None and not new_proc.alive() and rejoined is None:
+                    self.event("restarted victim exited", log=str(new_proc.log_path))
+                    break
+                self.sample()
+                waiting = fault is None or back is None or (
+                    rejoined is None and mono - back < a.rejoin_timeout)
+                if not load.is_alive() and not waiting:
+                    break
+                time.sleep(a.sample_interval)
+        finally:
+            if a.fault_action == "stop":
+                proc.signal_group(signal.SIGCONT)  # never leave it stopped
         load.join(timeout=a.bench_timeout)
         if load_done is None:
             self.event("load end", still_running=load.is_alive())
         self.stop.set()
         for t in probers:
             t.join(timeout=a.probe_timeout + 5)
-        after = {}
+        after_records: list[dict[str, Any]] = []
+        after: dict[str, Any] = {}
         if rejoined:
-            prompts = checks.prompt_ids(a.seed + 4242, 8, min(a.input_len[0], 1024), runner.vocab)
-            records = checks.send_checks(p.endpoint, a.served_model_name, prompts, 8, 4, 120.0)
-            after = checks.judge(records, 8)
-            self.event("checks after rejoin", ok=after["ok"], of=after["requests"])
+            after_records, after = self._checks("after recovery")
         drained = self.drain()
-        final = {e.name: _raw_kvshare(e.url) for e in p.deployment.engines}
+        engines = p.deployment.engines
+        final = {e.name: _raw_kvshare(e.url) for e in engines}
+        usage = {k: v.get("kv_cache_usage") for k, v in self.samples[-1]["engines"].items()}
+        fault_info = next((e for e in self.events if e["event"] == "fault"), {})
         return {"events": self.events, "samples": self.samples, "probes": self.probes,
-                "decode_probes": self.decode_probes, "stale_load": self.stale,
-                "after_rejoin": after, "drained_s": drained, "final_kvshare": final,
-                "bench_file": run["file"]}  # fmt: skip
+                "survivor_probes": self.survivor_probes, "stale_load": self.stale,
+                "reference_records": ref_records, "after_records": after_records,
+                "after": after, "drained_s": drained, "usage_after_drain": usage,
+                "final_kvshare": final, "bench_file": run["file"],
+                "fault": {"victim": victim.role, "engine": victim.name,
+                          "survivor": self.survivor.name, "action": a.fault_action,
+                          "point": a.fault_point, "skip": self.skip if a.fault_point else None,
+                          "how": fault_info.get("how"), "fired": fired,
+                          "roles": {e.name: e.role for e in engines}}}  # fmt: skip
 
     def drain(self) -> float | None:
-        """Seconds until every engine's KV cache usage reads zero (None: not within
-        --drain-timeout); samples keep going meanwhile."""
+        """Seconds until every engine's KV cache usage reads zero (None: not within the
+        drain timeout); samples keep going meanwhile."""
         t0 = time.monotonic()
-        while time.monotonic() - t0 < self.args.drain_timeout:
+        limit = drain_timeout(self.args)
+        while True:
             self.sample()
             usage = [e.get("kv_cache_usage") for e in self.samples[-1]["engines"].values()]
             if usage and all(u == 0 for u in usage):
                 self.event("kv usage zero on every engine")
                 return time.monotonic() - t0
+            if time.monotonic() - t0 >= limit:
+                break
             time.sleep(1.0)
-        self.event("kv usage not zero", usage=self.samples[-1]["engines"] if self.samples else None)
+        self.event("kv usage not zero", usage=self.samples[-1]["engines"])
         return None
 
 
@@ -207,145 +331,6 @@ def _raw_kvshare(url: str) -> dict[str, float] | None:
     return {k: v for k, v in series.items() if k.startswith("vllm:kvshare_")}
 
 
-# ---- pure parts: alignment, timeline, verdicts, markdown (tested on CPU) --------------------
-
-
-def bench_requests(result: dict[str, Any], end_wall: float) -> list[dict[str, Any]]:
-    """Per request of a ``--save-detailed`` result: approximate wall start (vLLM records
-    perf_counter starts; the run's first request is placed at its end minus its duration,
-    within about a second), success, error."""
-    starts = result.get("start_times") or []
-    errors = result.get("errors") or [""] * len(starts)
-    ttfts = result.get("ttfts") or [None] * len(starts)
-    itls = result.get("itls") or [[]] * len(starts)
-    if not starts:
-        return []
-    first = min(starts)
-    origin = end_wall - float(result.get("duration") or 0.0)
-    return [
-        {"time": origin + (s - first), "ok": not err, "error": (err or "")[:200], "ttft": t,
-         "latency": (t + sum(i or [])) if t is not None and not err else None}
-        for s, err, t, i in zip(starts, errors, ttfts, itls, strict=False)
-    ]  # fmt: skip
-
-
-def bins(items: list[dict[str, Any]], t0: float, width: float) -> dict[int, dict[str, int]]:
-    """Items with ``time`` and ``ok`` counted per ``width``-second bin from ``t0``."""
-    out: dict[int, dict[str, int]] = {}
-    for it in items:
-        k = int((it["time"] - t0) // width)
-        slot = out.setdefault(k, {"ok": 0, "failed": 0})
-        slot["ok" if it["ok"] else "failed"] += 1
-    return dict(sorted(out.items()))
-
-
-def _at(events: list[dict[str, Any]], what: str) -> float | None:
-    return next((e["time"] for e in events if e["event"] == what), None)
-
-
-def verdicts(data: dict[str, Any], requests: list[dict[str, Any]], probe_timeout: float,
-             decode: str, prefill: str) -> dict[str, Any]:  # fmt: skip
-    """The five questions of the fault test, each with what answers it. "Decode kept
-    serving": decode stayed healthy, answered plain requests sent straight to it all along,
-    and a load naming the killed prefill was answered promptly (fail closed: computed
-    locally with ``kv_load_error``, or an error status). Requests through the front fail
-    while the only prefill is down (the proxy has nowhere to prefill): evidence, not a
-    verdict."""
-    events, samples = data["events"], data["samples"]
-    probes = data["probes"] + data.get("decode_probes", [])
-    killed = _at(events, "prefill killed") or 0.0
-    end = _at(events, "load end")
-    after_kill = [r for r in requests if r["time"] >= killed]
-    in_flight = [r for r in requests if r["time"] < killed <= r["time"] + (r["latency"] or 0)]
-    decode_up = [s["engines"].get(decode, {}).get("healthy") for s in samples
-                 if s["time"] >= killed]  # fmt: skip
-    direct = [p for p in data.get("decode_probes", []) if p["time"] >= killed]
-    stale = data.get("stale_load") or {}
-    stale_ok = "skipped" in stale or (
-        stale.get("status") is not None and stale.get("seconds", 1e9) < probe_timeout
-    )
-    hung = [p for p in probes if p["status"] is None and p["seconds"] >= probe_timeout - 0.5]
-    load_ended = end is not None and not next(
-        (e.get("still_running") for e in events if e["event"] == "load end"), False
-    )
-    final = data.get("final_kvshare") or {}
-    dec = final.get(decode) or {}
-    pre = final.get(prefill) or {}
-    after = data.get("after_rejoin") or {}
-    return {
-        "decode_kept_serving": {
-            "ok": bool(decode_up) and all(decode_up) and all(p["status"] == 200 for p in direct)
-            and stale_ok,
-            "decode_healthy_samples": f"{sum(map(bool, decode_up))}/{len(decode_up)}",
-            "direct_decode_probes_ok": f"{sum(p['status'] == 200 for p in direct)}/{len(direct)}",
-            "stale_load": {k: stale.get(k) for k in ("status", "seconds", "kv_load_error",
-                                                      "body", "skipped") if stale.get(k)},
-            "in_flight_at_kill": f"{sum(r['ok'] for r in in_flight)}/{len(in_flight)} ok",
-            "front_requests_after_kill_ok": f"{sum(r['ok'] for r in after_kill)}/"
-                                            f"{len(after_kill)}",
-        },
-        "no_hang": {"ok": load_ended and not hung, "load_ended": load_ended,
-                    "probes": len(probes), "probes_without_answer": len(hung)},
-        "prefill_rejoined": {
-            "ok": _at(events, "prefill rejoined") is not None and after.get("requests", 0) > 0
-            and after.get("ok") == after.get("requests"),
-            "checks_after": f"{after.get('ok', 0)}/{after.get('requests', 0)}",
-            "problems": after.get("problems", [])[:5],
-        },
-        "kv_usage_zero": {"ok": data.get("drained_s") is not None,
-                          "seconds": data.get("drained_s")},
-        "connector_series_live": {
-            "ok": (metrics.total(dec, "vllm:kvshare_read_seconds_count") or 0) > 0,
-            "decode": {k.removeprefix("vllm:kvshare_"): v for k, v in dec.items()
-                       if k.endswith(("_total", "_count"))},
-            "prefill": {k.removeprefix("vllm:kvshare_"): v for k, v in pre.items()
-                        if k.endswith(("_total", "_count"))},
-        },
-    }  # fmt: skip
-
-
-def markdown(summary: dict[str, Any]) -> str:
-    lines = ["# Fault under load: prefill SIGKILLed, restarted", ""]
-    lines += [f"- {k}: {v}" for k, v in summary.get("setup", {}).items()]
-    lines += ["", "| check | result | evidence |", "|---|---|---|"]
-    for name, v in summary["verdicts"].items():
-        ev = {k: x for k, x in v.items() if k != "ok"}
-        lines.append(f"| {name} | {'PASS' if v['ok'] else 'FAIL'} | `{json.dumps(ev)}` |")
-    lines += ["", "## Events (s from load start)", ""]
-    t0 = summary["t0"]
-    lines += [f"- {e['time'] - t0:7.1f}  {e['event']}" for e in summary["events"]]
-    lines += ["", "## Requests per 2 s bin (vllm bench serve / probes), s from kill", "",
-              "| bin | bench ok | bench failed | front probes ok | failed | decode probes ok "
-              "| failed |", "|---|---|---|---|---|---|---|"]  # fmt: skip
-    b, pr = summary["bench_bins"], summary["probe_bins"]
-    dp = summary.get("decode_probe_bins", {})
-    for k in sorted({*b, *pr, *dp}, key=int):
-        cells = [c.get(x, 0) for c in (b.get(k, {}), pr.get(k, {}), dp.get(k, {}))
-                 for x in ("ok", "failed")]  # fmt: skip
-        lines.append(f"| {int(k) * 2:+d} | " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def summarize(data: dict[str, Any], result: dict[str, Any] | None, end_wall: float,
-              probe_timeout: float, decode: str, prefill: str) -> dict[str, Any]:  # fmt: skip
-    """Verdicts, binned timeline and events from the raw fault data (and the bench JSON)."""
-    requests = bench_requests(result or {}, end_wall)
-    killed = _at(data["events"], "prefill killed") or (data["events"] or [{"time": 0}])[0]["time"]
-    probes = [{"time": p["time"], "ok": p["status"] == 200 and not p.get("kv_load_error")}
-              for p in data["probes"]]  # fmt: skip
-    direct = [{"time": p["time"], "ok": p["status"] == 200} for p in data.get("decode_probes", [])]
-    return {
-        "verdicts": verdicts(data, requests, probe_timeout, decode, prefill),
-        "events": data["events"],
-        "t0": _at(data["events"], "load start") or killed,
-        "bench": {k: (result or {}).get(k) for k in ("completed", "failed", "duration")},
-        "bench_errors": sorted({r["error"] for r in requests if r["error"]})[:10],
-        "bench_bins": {str(k): v for k, v in bins(requests, killed, 2.0).items()},
-        "probe_bins": {str(k): v for k, v in bins(probes, killed, 2.0).items()},
-        "decode_probe_bins": {str(k): v for k, v in bins(direct, killed, 2.0).items()},
-    }
-
-
 def run_faults(runner: Runner, out: Path) -> int:
     """The whole fault test; writes raw/faults.json, faults.md and faults.json under OUT."""
     a = runner.args
@@ -355,22 +340,23 @@ def run_faults(runner: Runner, out: Path) -> int:
     (raw / "faults.json").write_text(json.dumps(data, indent=1, default=str))
     if "error" in data:
         print(f"[faults] deployment did not start: {data['error']}", flush=True)
+        (out / "faults.json").write_text(json.dumps({"error": data["error"]}, indent=1))
         return 1
     result_path = raw / data["bench_file"]
     result = json.loads(result_path.read_text()) if result_path.exists() else None
     end_wall = next((r["end"] for r in _manifest(raw) if r["file"] == data["bench_file"]),
                     time.time())  # fmt: skip
-    engines = fault.p.deployment.engines
-    decode = next(e.name for e in engines if e.role == "decode")
-    prefill = next(e.name for e in engines if e.role == "prefill")
-    summary = summarize(data, result, end_wall, a.probe_timeout, decode, prefill)
+    summary = summarize(data, result, end_wall, a.probe_timeout)
     summary["setup"] = {"deployment": fault.p.name, "front": fault.p.router,
-                        "kill_after_s": a.kill_after, "restart_after_s": a.restart_after,
-                        "load": f"{a.fault_rate} req/s, input {a.input_len[0]}, "
-                                f"output {a.output_len}"}  # fmt: skip
+                        "victim": a.fault_victim, "action": a.fault_action,
+                        "point": a.fault_point, "kill_after_s": a.kill_after,
+                        "restart_after_s": a.restart_after, "stop_s": a.stop_seconds,
+                        "load": f"{a.fault_rate} req/s for {a.load_seconds} s, input "
+                                f"{a.input_len[0]}, output {a.output_len}"}  # fmt: skip
     (out / "faults.json").write_text(json.dumps(summary, indent=1, default=str))
     (out / "faults.md").write_text(markdown(summary))
-    return 0 if all(v["ok"] for v in summary["verdicts"].values()) else 1
+    ok = all(v["ok"] for v in summary["verdicts"].values())
+    return 0 if ok and data["fault"]["fired"] else 1
 
 
 def _manifest(raw: Path) -> list[dict[str, Any]]:

@@ -1,0 +1,221 @@
+#!/usr/bin/env python3
+"""The GPU fault matrix (issue #25) in one command: several fault cases of
+``bench_serving --mode faults`` at once on one GPU, each its own process with its own ports
+and OUT subfolder, and one table, OUT/fault_matrix.md (and .json), out of the run.
+
+Cases (``--cases`` picks some; default all):
+
+* ``prefill_claim``: prefill exits at ``source.claim_answered`` (a READ's blocks just
+  handed out), restarted;
+* ``decode_read``: decode exits at ``sink.read_posted`` (its READ in flight), restarted;
+  prefill's lease (``kv_lease_duration`` 15) must free the blocks it held for it;
+* ``prefill_stop``: prefill hung, SIGSTOP 25 s (past the 10 s handshake timeout), SIGCONT;
+* ``prefill_release``: prefill exits at ``source.before_release``, restarted.
+
+Sized for one device call of 10 minutes with the engines' start (eager): 20 s of load at
+4 req/s, the fault 8 s in (a failpoint: its 10th hit under load), restart 2 s later; a
+total ``--time-limit`` after which every case is stopped (SIGTERM: each stops its engines).
+
+    python -m benchmarks.gpu.fault_matrix --model-dir DIR --out OUT [--cases a b ...]
+Options it does not know go to every case (e.g. ``--input-len 1024``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.gpu.serving.fault_report import VERDICTS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    victim: str
+    how: str  # what the table says when the run gave no answer
+    argv: list[str] = field(default_factory=list)
+
+
+CASES = {
+    "a": Case("prefill_claim", "prefill", "failpoint source.claim_answered",
+              ["--fault-victim", "prefill", "--fault-point", "source.claim_answered"]),
+    "b": Case("decode_read", "decode", "failpoint sink.read_posted",
+              ["--fault-victim", "decode", "--fault-point", "sink.read_posted",
+               "--extra-config", '{"kv_lease_duration": 15}']),
+    "c": Case("prefill_stop", "prefill", "SIGSTOP",
+              ["--fault-victim", "prefill", "--fault-action", "stop", "--stop-seconds", "25"]),
+    "d": Case("prefill_release", "prefill", "failpoint source.before_release",
+              ["--fault-victim", "prefill", "--fault-point", "source.before_release"]),
+}  # fmt: skip
+#: Every case: one GPU, engines started at once (fixed KV size), eager, a short load.
+COMMON = ["--mode", "faults", "--enforce-eager", "--kv-cache-gib", "2", "--gpu-mem", "0.1",
+          "--prefill-gpu", "0", "--decode-gpu", "0", "--load-seconds", "20", "--fault-rate", "4",
+          "--kill-after", "8", "--restart-after", "2", "--ready-timeout", "300",
+          "--rejoin-timeout", "150", "--bench-timeout", "120", "--grace", "10"]  # fmt: skip
+BASE_PORT, PORT_STEP = 18000, 100
+SIDE_PORT, SIDE_STEP = 15600, 200
+
+
+def pick(names: list[str] | None) -> list[Case]:
+    """Cases by letter or name (None: all)."""
+    if not names:
+        return list(CASES.values())
+    by_name = {c.name: c for c in CASES.values()}
+    out = []
+    for n in names:
+        case = CASES.get(n) or by_name.get(n)
+        if case is None:
+            raise SystemExit(f"--cases {n!r}: one of {sorted(CASES)} or {sorted(by_name)}")
+        out.append(case)
+    return out
+
+
+def case_argv(case: Case, index: int, model_dir: str, out: Path, extra: list[str]) -> list[str]:
+    """One case's bench_serving command: its own ports and OUT subfolder."""
+    return [sys.executable, "-m", "benchmarks.gpu.bench_serving", "--model-dir", model_dir,
+            "--out", str(out / case.name), *COMMON,
+            "--base-port", str(BASE_PORT + PORT_STEP * index),
+            "--side-channel-port", str(SIDE_PORT + SIDE_STEP * index),
+            *case.argv, *extra]  # fmt: skip
+
+
+def run_cases(cases: list[Case], argvs: list[list[str]], out: Path,
+              time_limit: float) -> dict[str, int | None]:  # fmt: skip
+    """Every case at once; past ``time_limit`` s each is SIGTERMed (it stops its engines),
+    then SIGKILLed 45 s later. Exit codes by case (None: killed)."""
+    procs = {}
+    for case, argv in zip(cases, argvs, strict=True):
+        log = open(out / f"{case.name}.log", "wb")  # noqa: SIM115 (closed below)
+        procs[case.name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, cwd=ROOT,
+                                             start_new_session=True), log)  # fmt: skip
+        print(f"[matrix] {case.name}: pid {procs[case.name][0].pid}", flush=True)
+    deadline = time.monotonic() + time_limit
+    try:
+        while any(p.poll() is None for p, _ in procs.values()):
+            if time.monotonic() > deadline:
+                print(f"[matrix] time limit {time_limit:.0f}s: stopping every case", flush=True)
+                break
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        print("[matrix] interrupted: stopping every case", flush=True)
+    finally:
+        _stop([p for p, _ in procs.values()])
+    codes: dict[str, int | None] = {}
+    for name, (p, log) in procs.items():
+        log.close()
+        codes[name] = p.returncode
+        print(f"[matrix] {name}: exit {p.returncode}", flush=True)
+    return codes
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], grace: float = 45.0) -> None:
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        with contextlib.suppress(ProcessLookupError):
+            p.send_signal(signal.SIGTERM)
+    end = time.monotonic() + grace
+    while any(p.poll() is None for p in live) and time.monotonic() < end:
+        time.sleep(0.5)
+    for p in live:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
+
+
+def _pass(v: dict[str, Any] | None) -> str:
+    return "—" if v is None else ("PASS" if v.get("ok") else "FAIL")
+
+
+def _leaked(usage: dict[str, float | None]) -> str:
+    return ", ".join(f"{k} {'?' if u is None else f'{100 * u:.1f}%'}" for k, u in usage.items())
+
+
+def row(case: Case, summary: dict[str, Any] | None, code: int | None) -> dict[str, Any]:
+    """One case's table row from its OUT/<case>/faults.json (None: none written)."""
+    if not summary or "verdicts" not in summary:
+        why = (summary or {}).get("error") or f"no result (exit {code}, see {case.name}.log)"
+        return {"case": case.name, "victim": case.victim, "how": case.how, "note": why,
+                **{v: None for v in VERDICTS}}  # fmt: skip
+    m, v, f = summary["measured"], summary["verdicts"], summary["fault"]
+    return {"case": case.name, "victim": f["victim"], "how": f.get("how") or case.how,
+            **{k: v.get(k) for k in VERDICTS},
+            "completed_failed_local": f"{m['completed']}/{m['failed']}/{m['local_loads']}",
+            "first_good_s": m.get("fault_to_first_good_s"),
+            "leaked": _leaked(m.get("usage_after_drain") or {}),
+            "verified_loads": v["no_wrong_kv"].get("verified_loads"),
+            "errors": m.get("errors", [])[:3],
+            "note": "" if f.get("fired", True) else "failpoint did not fire"}  # fmt: skip
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The matrix as markdown: one row per case."""
+    head = ["case", "victim", "how", *VERDICTS, "completed/failed/local",
+            "first good request (s after fault)", "leaked (KV usage after drain)",
+            "verified loads", "note"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["case"], r["victim"], r["how"], *(_pass(r[k]) for k in VERDICTS),
+                 r.get("completed_failed_local", "—"), r.get("first_good_s") or "—",
+                 r.get("leaked") or "—", r.get("verified_loads", "—"), r.get("note") or ""]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_table(out: Path, cases: list[Case], codes: dict[str, int | None]) -> list[dict]:
+    rows = []
+    for case in cases:
+        path = out / case.name / "faults.json"
+        summary = json.loads(path.read_text()) if path.exists() else None
+        rows.append(row(case, summary, codes.get(case.name)))
+    errors = [f"- {r['case']}: {r['errors']}" for r in rows if r.get("errors")]
+    text = "# Fault matrix\n\n" + table(rows)
+    if errors:
+        text += "\nDistinct errors of failed requests (first 3):\n\n" + "\n".join(errors) + "\n"
+    (out / "fault_matrix.md").write_text(text)
+    (out / "fault_matrix.json").write_text(json.dumps(rows, indent=1, default=str))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[2:]))  # fmt: skip
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--cases", nargs="+", help=f"letters or names, of {sorted(CASES)}")
+    p.add_argument("--time-limit", type=float, default=520.0,
+                   help="s for the whole matrix; then every case is stopped")
+    p.add_argument("--dry-run", action="store_true", help="print the commands only")
+    args, extra = p.parse_known_args(argv)
+    out = Path(args.out).resolve()
+    cases = pick(args.cases)
+    argvs = [case_argv(c, i, args.model_dir, out, extra) for i, c in enumerate(cases)]
+    if args.dry_run:
+        print("\n".join(" ".join(a) for a in argvs))
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    codes = run_cases(cases, argvs, out, args.time_limit)
+    rows = write_table(out, cases, codes)
+    print((out / "fault_matrix.md").read_text())
+    print(f"[matrix] done in {time.monotonic() - t0:.0f}s; {out}", flush=True)
+    ok = all(all(r.get(k) and r[k]["ok"] for k in VERDICTS) and not r["note"] for r in rows)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
