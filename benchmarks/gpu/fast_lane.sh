@@ -70,15 +70,19 @@ for step in "$@"; do
       weights
       before=()
       if [ -d .before/kvshare_connector ]; then
-        before=(before='{"verify_kv":false}' --variant-env "ours-before:PYTHONPATH=$PWD/.before:$PYTHONPATH")
+        # PYTHONSAFEPATH: `python -m` would put the working directory (this tree) first on
+        # sys.path, ahead of PYTHONPATH; on 2026-12-03 that made ours-before run this tree.
+        before=(before='{"verify_kv":false}' --variant-env
+          "ours-before:PYTHONPATH=$PWD/.before:$PYTHONPATH" "ours-before:PYTHONSAFEPATH=1")
       fi
       python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/serve" \
         --deployments ours nixl colocated --ours-variants verify='{}' \
         noverify='{"verify_kv":false}' "${before[@]}" \
-        --prefill-gpu 0 --decode-gpu 0 --colocated-gpu 0 --gpu-mem 0.12 --kv-cache-gib 2 \
+        --prefill-gpu 0 --decode-gpu 0 --colocated-gpu 0 --gpu-mem 0.1 --kv-cache-gib 2 \
         --enforce-eager --input-len 2048 8192 --concurrency 1 16 --num-prompts 0 \
         --prompts-per-slot 2 --min-prompts 4 --output-len 32 --rounds 3 --warmup-requests 4 \
-        --time-budget "${TIME_BUDGET:-540}" --grace 10 --keep-raw > "$OUT/serve.log" 2>&1
+        --serve-args "--max-num-seqs 64" --time-budget "${TIME_BUDGET:-540}" --grace 10 --keep-raw \
+        > "$OUT/serve.log" 2>&1
       echo "serve: exit $?"
       ;;
     serve2k) serve 2048 64 serve2k ;;

@@ -162,7 +162,11 @@ def verdicts(data: dict[str, Any], requests: list[dict[str, Any]],
             "ok": (metrics.total(dec, "vllm:kvshare_read_seconds_count") or 0) > 0,
             "decode": series(dec), "prefill": series(pre),
         },
-        "no_wrong_kv": {"ok": wrong_kv == 0 and wrong_out == 0 and bool(after.get("requests")),
+        # Judged on the KV itself (verify_kv: 0 failures, loads verified). Greedy outputs
+        # of the same prompts before and after are evidence only: with random-init weights
+        # a restarted engine's own numerics (Triton autotuning per process) flip near-tied
+        # tokens (on 2026-12-03 PD vs colocated agreed on 0% of texts, NixlConnector too).
+        "no_wrong_kv": {"ok": wrong_kv == 0 and verified > 0 and bool(after.get("requests")),
                         "verify_failures": wrong_kv, "verified_loads": verified,
                         "check_outputs_differing": wrong_out},
     }  # fmt: skip
