@@ -110,181 +110,169 @@ def timed(fn, repeat: int) -> tuple[float, object]:
     return statistics.median(times), result
 
 
-def measure(args: argparse.Namespace) -> dict:
-    """Every timing and count of the report, as one JSON-able dict."""
-    topology = scaled_topology(args.blocks)
-    groups = len(topology.groups)
-    rng = np.random.default_rng(0)
-    pool = rng.permutation(np.arange(1, args.blocks))[: groups * args.request]
-    scattered = [pool[i * args.request : (i + 1) * args.request].tolist() for i in range(groups)]
-    contiguous = [
-        list(range(1 + i * args.request, 1 + (i + 1) * args.request)) for i in range(groups)
-    ]
+def versus(loop_s: float, ours_s: float, **counts: float) -> dict:
+    """One row of the report: the per-descriptor loop against ours."""
+    return {"loop_s": loop_s, "ours_s": ours_s, "speedup": loop_s / ours_s, **counts}
 
-    t_loop, slabs = timed(lambda: loop_descriptors(topology, scattered), args.repeat)
-    t_ours, rows = timed(lambda: request_descriptors(topology, scattered), args.repeat)
+
+def request_ids(
+    blocks: int, request: int, groups: int
+) -> tuple[np.ndarray, list[list[int]], list[list[int]]]:
+    """``(pool, scattered, contiguous)``: a request's block ids per group, drawn from a
+    shuffled pool of the cache's blocks (0 is the null block) or laid out in a row."""
+    pool = np.random.default_rng(0).permutation(np.arange(1, blocks))[: groups * request]
+    scattered = [pool[i * request : (i + 1) * request].tolist() for i in range(groups)]
+    contiguous = [list(range(1 + i * request, 1 + (i + 1) * request)) for i in range(groups)]
+    return pool, scattered, contiguous
+
+
+def build_times(
+    topology: KVTopology, scattered: list[list[int]], contiguous: list[list[int]], repeat: int
+) -> dict:
+    """One side's descriptors of a request, built by the loop and by ours."""
+    t_loop, slabs = timed(lambda: loop_descriptors(topology, scattered), repeat)
+    t_ours, rows = timed(lambda: request_descriptors(topology, scattered), repeat)
     assert sum(s[1] for s in slabs) == int(rows[:, 1].sum())  # same bytes either way
-    t_loop_c, slabs_c = timed(lambda: loop_descriptors(topology, contiguous), args.repeat)
-    t_ours_c, rows_c = timed(lambda: request_descriptors(topology, contiguous), args.repeat)
+    t_loop_c, slabs_c = timed(lambda: loop_descriptors(topology, contiguous), repeat)
+    t_ours_c, rows_c = timed(lambda: request_descriptors(topology, contiguous), repeat)
     t_prep, prepared = timed(lambda: loop_prepare_all_blocks(topology), 1)
     # The floor of any vectorised path: turning vLLM's Python lists of ids into an array.
     t_ids, _ = timed(
-        lambda: [np.fromiter(ids, dtype=np.int64, count=len(ids)) for ids in scattered],
-        args.repeat,
+        lambda: [np.fromiter(ids, dtype=np.int64, count=len(ids)) for ids in scattered], repeat
     )
-
-    # Decode's read: local and remote rows together (the plan is made once per peer).
-    owners = pair_owners(topology, topology)
-    plan = TransferPlan(owners)
-    remote = [pool[::-1][i * args.request : (i + 1) * args.request].tolist() for i in range(groups)]
-    n = args.blocks
-
-    def ours_pairs(local_ids):
-        return transfer_descriptors(plan, local_ids, remote, n, n)
-
-    t_loop_p, (pairs, _) = timed(lambda: loop_pairs(owners, scattered, remote), args.repeat)
-    t_ours_p, (prow, _) = timed(lambda: ours_pairs(scattered), args.repeat)
-    assert sum(p[1] for p in pairs) == int(prow[:, 1].sum())
-    t_loop_pc, _ = timed(lambda: loop_pairs(owners, contiguous, remote), args.repeat)
-    t_ours_pc, _ = timed(lambda: ours_pairs(contiguous), args.repeat)
-
-    # What a transfer consumes: a NIXL descriptor list.
-    from kvshare_connector.transfer.nixl import NixlTransport
-
-    agent = NixlTransport("bench-descriptors").agent
-    t_loop_x, _ = timed(
-        lambda: agent.get_xfer_descs(loop_descriptors(topology, scattered), "DRAM"), args.repeat
-    )
-    t_ours_x, _ = timed(
-        lambda: agent.get_xfer_descs(request_descriptors(topology, scattered), "DRAM"), args.repeat
-    )
-    t_loop_xc, _ = timed(
-        lambda: agent.get_xfer_descs(loop_descriptors(topology, contiguous), "DRAM"), args.repeat
-    )
-    t_ours_xc, _ = timed(
-        lambda: agent.get_xfer_descs(request_descriptors(topology, contiguous), "DRAM"),
-        args.repeat,
-    )
-
-    results = {
-        "owners": len(topology.owners),
-        "groups": groups,
-        "cache_blocks": args.blocks,
-        "request_blocks_per_group": args.request,
-        "scattered": {
-            "loop_s": t_loop,
-            "ours_s": t_ours,
-            "speedup": t_loop / t_ours,
-            "slabs": len(slabs),
-            "rows": len(rows),
-        },
-        "contiguous": {
-            "loop_s": t_loop_c,
-            "ours_s": t_ours_c,
-            "speedup": t_loop_c / t_ours_c,
-            "slabs": len(slabs_c),
-            "rows": len(rows_c),
-            "coalescing": len(slabs_c) / len(rows_c),
-        },
-        "scattered_to_nixl_dlist": {
-            "loop_s": t_loop_x,
-            "ours_s": t_ours_x,
-            "speedup": t_loop_x / t_ours_x,
-        },
-        "contiguous_to_nixl_dlist": {
-            "loop_s": t_loop_xc,
-            "ours_s": t_ours_xc,
-            "speedup": t_loop_xc / t_ours_xc,
-        },
-        "paired_scattered": {
-            "loop_s": t_loop_p,
-            "ours_s": t_ours_p,
-            "speedup": t_loop_p / t_ours_p,
-        },
-        "paired_contiguous_local": {
-            "loop_s": t_loop_pc,
-            "ours_s": t_ours_pc,
-            "speedup": t_loop_pc / t_ours_pc,
-        },
+    return {
+        "scattered": versus(t_loop, t_ours, slabs=len(slabs), rows=len(rows)),
+        "contiguous": versus(
+            t_loop_c,
+            t_ours_c,
+            slabs=len(slabs_c),
+            rows=len(rows_c),
+            coalescing=len(slabs_c) / len(rows_c),
+        ),
         "ids_to_array_s": t_ids,
         "prepare_all_blocks": {
             "loop_s": t_prep,
             "descriptors": len(prepared),
             "our_registration_rows": len(topology.regions),
         },
+    }
+
+
+def pair_times(
+    topology: KVTopology,
+    remote: list[list[int]],
+    scattered: list[list[int]],
+    contiguous: list[list[int]],
+    repeat: int,
+) -> dict:
+    """Decode's read: local and remote rows together (the plan is made once per peer)."""
+    owners = pair_owners(topology, topology)
+    plan = TransferPlan(owners)
+    n = topology.num_blocks
+
+    def ours_pairs(local_ids: list[list[int]]) -> tuple:
+        return transfer_descriptors(plan, local_ids, remote, n, n)
+
+    t_loop_p, (pairs, _) = timed(lambda: loop_pairs(owners, scattered, remote), repeat)
+    t_ours_p, (prow, _) = timed(lambda: ours_pairs(scattered), repeat)
+    assert sum(p[1] for p in pairs) == int(prow[:, 1].sum())
+    t_loop_pc, _ = timed(lambda: loop_pairs(owners, contiguous, remote), repeat)
+    t_ours_pc, _ = timed(lambda: ours_pairs(contiguous), repeat)
+    return {
+        "paired_scattered": versus(t_loop_p, t_ours_p),
+        "paired_contiguous_local": versus(t_loop_pc, t_ours_pc),
+    }
+
+
+def dlist_times(
+    topology: KVTopology, scattered: list[list[int]], contiguous: list[list[int]], repeat: int
+) -> dict:
+    """What a transfer consumes: a NIXL descriptor list, from either side's rows."""
+    from kvshare_connector.transfer.nixl import NixlTransport
+
+    agent = NixlTransport("bench-descriptors").agent
+    found = {}
+    for name, ids in (("scattered", scattered), ("contiguous", contiguous)):
+        t_loop, _ = timed(
+            lambda ids=ids: agent.get_xfer_descs(loop_descriptors(topology, ids), "DRAM"), repeat
+        )
+        t_ours, _ = timed(
+            lambda ids=ids: agent.get_xfer_descs(request_descriptors(topology, ids), "DRAM"),
+            repeat,
+        )
+        found[f"{name}_to_nixl_dlist"] = versus(t_loop, t_ours)
+    return found
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Every timing and count of the report, as one JSON-able dict."""
+    topology = scaled_topology(args.blocks)
+    groups = len(topology.groups)
+    pool, scattered, contiguous = request_ids(args.blocks, args.request, groups)
+    remote = [pool[::-1][i * args.request : (i + 1) * args.request].tolist() for i in range(groups)]
+    built = build_times(topology, scattered, contiguous, args.repeat)
+    paired = pair_times(topology, remote, scattered, contiguous, args.repeat)
+    dlists = dlist_times(topology, scattered, contiguous, args.repeat)
+    return {
+        "owners": len(topology.owners),
+        "groups": groups,
+        "cache_blocks": args.blocks,
+        "request_blocks_per_group": args.request,
+        "scattered": built["scattered"],
+        "contiguous": built["contiguous"],
+        **dlists,
+        **paired,
+        "ids_to_array_s": built["ids_to_array_s"],
+        "prepare_all_blocks": built["prepare_all_blocks"],
         "repeat": args.repeat,
     }
-    return results
+
+
+def faster(case: str, r: dict) -> str:
+    """A report row of build times, the loop's against ours."""
+    return (
+        f"| {case} | {r['loop_s'] * 1e3:.1f} ms | {r['ours_s'] * 1e3:.2f} ms "
+        f"| {r['speedup']:.0f}x faster |"
+    )
+
+
+def fewer(case: str, r: dict, digits: int) -> str:
+    """A report row of descriptor counts, the loop's against ours."""
+    ratio = r["slabs"] / r["rows"]
+    return f"| {case} | {r['slabs']:,} | {r['rows']:,} | {ratio:.{digits}f}x fewer |"
 
 
 def report(results: dict) -> str:
     """The markdown table (and the targets line) of ``measure``'s results."""
-    groups, blocks = results["groups"], results["cache_blocks"]
-    request, repeat, t_ids = (
-        results["request_blocks_per_group"],
-        results["repeat"],
-        results["ids_to_array_s"],
-    )
-    lines: list[str] = []
+    blocks, t_ids = results["cache_blocks"], results["ids_to_array_s"]
     s, c, p = results["scattered"], results["contiguous"], results["prepare_all_blocks"]
-    x = results["scattered_to_nixl_dlist"]
-    xc = results["contiguous_to_nixl_dlist"]
-    lines.append(
-        f"E2B geometry: {results['owners']} owners in {groups} groups, "
-        f"{blocks:,}-block cache, request of {request:,} blocks per group "
-        f"(median of {repeat})"
-    )
-    lines.append("| case | loop | ours | ratio |")
-    lines.append("|---|---|---|---|")
-    lines.append(
-        f"| scattered request: build time | {s['loop_s'] * 1e3:.1f} ms "
-        f"| {s['ours_s'] * 1e3:.2f} ms | {s['speedup']:.0f}x faster |"
-    )
-    lines.append(
-        f"| contiguous request: build time | {c['loop_s'] * 1e3:.1f} ms "
-        f"| {c['ours_s'] * 1e3:.2f} ms | {c['speedup']:.0f}x faster |"
-    )
-    lines.append(
-        f"| scattered request: to a NIXL descriptor list | {x['loop_s'] * 1e3:.1f} ms "
-        f"| {x['ours_s'] * 1e3:.2f} ms | {x['speedup']:.0f}x faster |"
-    )
-    lines.append(
-        f"| contiguous request: descriptors | {c['slabs']:,} | {c['rows']:,} "
-        f"| {c['coalescing']:.0f}x fewer |"
-    )
-    lines.append(
-        f"| scattered request: descriptors | {s['slabs']:,} | {s['rows']:,} "
-        f"| {s['slabs'] / s['rows']:.1f}x fewer |"
-    )
-    lines.append(
-        f"| per-engine setup ({blocks:,} blocks) | {p['descriptors']:,} descriptors, "
-        f"{p['loop_s']:.2f} s | {p['our_registration_rows']} regions, 0 s | - |"
-    )
-    lines.append(
-        f"| contiguous request: to a NIXL descriptor list | {xc['loop_s'] * 1e3:.1f} ms "
-        f"| {xc['ours_s'] * 1e3:.2f} ms | {xc['speedup']:.0f}x faster |"
-    )
+    x, xc = results["scattered_to_nixl_dlist"], results["contiguous_to_nixl_dlist"]
     pp, ppc = results["paired_scattered"], results["paired_contiguous_local"]
-    lines.append(
-        f"| decode read, local+remote (scattered): build time | {pp['loop_s'] * 1e3:.1f} ms "
-        f"| {pp['ours_s'] * 1e3:.2f} ms | {pp['speedup']:.0f}x faster |"
-    )
-    lines.append(
-        f"| decode read, local+remote (contiguous local): build time "
-        f"| {ppc['loop_s'] * 1e3:.1f} ms | {ppc['ours_s'] * 1e3:.2f} ms "
-        f"| {ppc['speedup']:.0f}x faster |"
-    )
-    lines.append(
+    lines = [
+        f"E2B geometry: {results['owners']} owners in {results['groups']} groups, "
+        f"{blocks:,}-block cache, request of {results['request_blocks_per_group']:,} blocks "
+        f"per group (median of {results['repeat']})",
+        "| case | loop | ours | ratio |",
+        "|---|---|---|---|",
+        faster("scattered request: build time", s),
+        faster("contiguous request: build time", c),
+        faster("scattered request: to a NIXL descriptor list", x),
+        fewer("contiguous request: descriptors", c, digits=0),
+        fewer("scattered request: descriptors", s, digits=1),
+        f"| per-engine setup ({blocks:,} blocks) | {p['descriptors']:,} descriptors, "
+        f"{p['loop_s']:.2f} s | {p['our_registration_rows']} regions, 0 s | - |",
+        faster("contiguous request: to a NIXL descriptor list", xc),
+        faster("decode read, local+remote (scattered): build time", pp),
+        faster("decode read, local+remote (contiguous local): build time", ppc),
         f"| of which: the request's block ids, Python lists -> int64 | - "
-        f"| {t_ids * 1e3:.2f} ms | the floor: at most {s['loop_s'] / t_ids:.0f}x |"
-    )
-    speedups = [r["speedup"] for r in (s, c, x, xc, pp, ppc)]
-    fastest = min(speedups)
-    lines.append(
+        f"| {t_ids * 1e3:.2f} ms | the floor: at most {s['loop_s'] / t_ids:.0f}x |",
+    ]
+    fastest = min(r["speedup"] for r in (s, c, x, xc, pp, ppc))
+    targets = (
         f"targets: >=20x faster (every row): {'met' if fastest >= 20 else 'MISSED'}; "
         f">=4x fewer descriptors (contiguous): {'met' if c['coalescing'] >= 4 else 'MISSED'}"
     )
-    return "\n".join(lines)
+    return "\n".join([*lines, targets])
 
 
 def main() -> None:

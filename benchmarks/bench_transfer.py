@@ -36,7 +36,12 @@ from typing import Any
 import numpy as np
 
 from benchmarks.copy_references import idle_cpu, summary, time_cma, time_memcpy, time_memmove
-from kvshare_connector.devtools.demo import blocks_per_group, cpu_packer, requests_block_ids
+from kvshare_connector.devtools.demo import (
+    blocks_per_group,
+    cpu_packer,
+    held_params,
+    requests_block_ids,
+)
 from kvshare_connector.transfer.nixl import PROGRESS_THREAD_ENV
 from kvshare_connector.transfer.settings import EngineSettings
 
@@ -104,7 +109,6 @@ def build(kv_mib: int) -> tuple[Any, Any]:
 def run_prefill(args: argparse.Namespace) -> int:
     import uuid
 
-    from kvshare_connector.transfer.kv_params import kv_transfer_params
     from kvshare_connector.transfer.nixl import NixlTransport
     from kvshare_connector.transfer.source import KVSource
 
@@ -121,19 +125,10 @@ def run_prefill(args: argparse.Namespace) -> int:
     )
     rounds = []
     for round_index in range(args.rounds):
-        members = []
-        for member, ids in enumerate(batch):  # every round reads the same blocks again
-            request_id = f"round{round_index}-member{member}"
-            members.append(
-                kv_transfer_params(
-                    remote_block_ids=ids,
-                    remote_engine_id=engine_id,
-                    remote_request_id=request_id,
-                    remote_host=source.host,
-                    remote_port=source.port,
-                    remote_num_tokens=args.tokens,
-                )
-            )
+        members = [  # every round reads the same blocks again
+            held_params(source, f"round{round_index}-member{member}", ids, args.tokens)
+            for member, ids in enumerate(batch)
+        ]
         rounds.append(members)
     regions = [(r.addr, r.nbytes) for r in topology.regions]
     ready = {"rounds": rounds, "num_blocks": topology.num_blocks, "pid": os.getpid()}
@@ -231,50 +226,75 @@ def read_round(sink: Any, members: list[dict], local: list, tag: str, timeout_s:
     return time.perf_counter() - start
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the prefill child, read every round, time the in-process copies: the results."""
-
-    from kvshare_connector.layout.descriptors import request_descriptors
-    from kvshare_connector.transfer.nixl import NixlTransport
-    from kvshare_connector.transfer.sink import KVSink
-
-    # Geometry first (a small cache), then caches just large enough for the batch.
+def sizes(args: argparse.Namespace) -> tuple[int, int]:
+    """``(requests per round, KV cache MiB per side)``: geometry first (a small cache),
+    then caches just large enough for the batch."""
     _, probe = build(64)
     one = request_bytes(probe, args.tokens)
     batch = args.batch or max(1, round(args.gib * (1 << 30) / one))
     bytes_per_block = sum(r.nbytes for r in probe.regions) // probe.num_blocks
     need_blocks = batch * sum(blocks_per_group(probe, args.tokens)) + 64
-    kv_mib = args.kv_mib or math.ceil(need_blocks * bytes_per_block / (1 << 20))
+    return batch, args.kv_mib or math.ceil(need_blocks * bytes_per_block / (1 << 20))
+
+
+def decode_sink(args: argparse.Namespace, kv_mib: int) -> tuple[Any, Any, Any]:
+    """``(stack, topology, sink)`` of the decode side (the stack keeps its KV alive)."""
+    from kvshare_connector.transfer.nixl import NixlTransport
+    from kvshare_connector.transfer.sink import KVSink
+
+    stack, topology = build(kv_mib)
+    decode_thread = args.decode_progress_thread or args.progress_thread
+    transport = NixlTransport(f"bench-decode-{os.getpid()}", progress_thread=decode_thread == "on")
+    settings = EngineSettings("bench-decode", handshake_timeout_s=60.0, transfer_timeout_s=120.0)
+    sink = KVSink(topology, transport, settings, packer=cpu_packer(stack, args.packed_mib))
+    return stack, topology, sink
+
+
+def read_rounds(
+    args: argparse.Namespace, sink: Any, topology: Any, local: list, rounds: list
+) -> tuple[list[float], int, float]:
+    """``(seconds of each measured round, bad segments, decode's CPU cores)``: the first
+    and the last round land in zeroed caches and are checked block by block."""
+    read_times = []
+    bad_segments = 0
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    for index, members in enumerate(rounds):
+        checked = index in (0, len(rounds) - 1)
+        if checked:
+            for region in topology.regions:
+                ctypes.memset(region.addr, 0, region.nbytes)
+        seconds = read_round(sink, members, local, f"round{index}", 300)
+        if checked:
+            bad_segments += sum(verify(topology, ids, salt=m) for m, ids in enumerate(local))
+        if index >= args.warmup:
+            read_times.append(seconds)
+    return read_times, bad_segments, (time.process_time() - cpu0) / (time.monotonic() - wall0)
+
+
+def stop_prefill(prefill: subprocess.Popen) -> None:
+    """Close its stdin (its cue to exit), then wait, killing it after 30 s."""
+    if prefill.stdin:
+        prefill.stdin.close()
+    try:
+        prefill.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        prefill.kill()
+        prefill.wait()
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the prefill child, read every round, time the in-process copies: the results."""
+    from kvshare_connector.layout.descriptors import request_descriptors
+
+    batch, kv_mib = sizes(args)
     prefill = spawn_prefill(args, kv_mib, batch)
     try:
-        _stack, topology = build(kv_mib)  # while the prefill builds its own
-        decode_thread = args.decode_progress_thread or args.progress_thread
-        transport = NixlTransport(
-            f"bench-decode-{os.getpid()}", progress_thread=decode_thread == "on"
-        )
-        packer = cpu_packer(_stack, args.packed_mib)
-        settings = EngineSettings(
-            "bench-decode", handshake_timeout_s=60.0, transfer_timeout_s=120.0
-        )
-        sink = KVSink(topology, transport, settings, packer=packer)
+        _stack, topology, sink = decode_sink(args, kv_mib)  # while the prefill builds its own
         local = disjoint_requests(topology, args.tokens, batch, seed=2)
         ready = wait_ready(prefill, 300)
-        rounds = ready["rounds"]
-
-        read_times = []
-        bad_segments = 0
-        cpu0, wall0 = time.process_time(), time.monotonic()
-        for index, members in enumerate(rounds):
-            checked = index in (0, len(rounds) - 1)  # the first and the last round
-            if checked:
-                for region in topology.regions:
-                    ctypes.memset(region.addr, 0, region.nbytes)
-            seconds = read_round(sink, members, local, f"round{index}", 300)
-            if checked:
-                bad_segments += sum(verify(topology, ids, salt=m) for m, ids in enumerate(local))
-            if index >= args.warmup:
-                read_times.append(seconds)
-        read_cores = (time.process_time() - cpu0) / (time.monotonic() - wall0)
+        read_times, bad_segments, read_cores = read_rounds(
+            args, sink, topology, local, ready["rounds"]
+        )
         idle_cores = idle_cpu(1.0)  # NIXL's progress thread, if on, spins while idle too
         cma_times = time_cma(
             ready["pid"],
@@ -286,16 +306,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         measured = sink.records[batch * args.warmup :]
         per_round = sum(r.bytes for r in measured[:batch])
         descriptors = sorted({r.descriptors for r in sink.records})
-        post_to_done = [r.seconds for r in measured]
         sink.close()
     finally:
-        if prefill.stdin:
-            prefill.stdin.close()
-        try:
-            prefill.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            prefill.kill()
-            prefill.wait()
+        stop_prefill(prefill)
 
     # The same number of bytes, in this process.
     memcpy_times = time_memcpy(per_round, args.warmup, args.repeat)
@@ -305,9 +318,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     read = summary(read_times, per_round)
     memcpy = summary(memcpy_times, per_round)
     memmove = summary(memmove_times, per_round)
-    cma = summary(cma_times, per_round) if cma_times else None
     counts = blocks_per_group(topology, args.tokens)
-    results = {
+    return {
         "model": MODEL,
         "owners": len(topology.owners),
         "sharers": len(topology.sharers),
@@ -328,7 +340,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "ucx_tls": os.environ.get("UCX_TLS", "default"),
         "nixl_progress_thread": {
             "prefill": args.progress_thread == "on",
-            "decode": transport.progress_thread,
+            "decode": sink.transport.progress_thread,
         },
         "decode_cpu_cores_during_reads": read_cores,
         "decode_cpu_cores_idle": idle_cores,
@@ -338,14 +350,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         # Per request, posted -> DONE. A round posts its requests one after the other and
         # most of a READ runs inside NIXL's transfer() call (UCX's CMA copies there), so
         # the first request of a round also counts the posting of the others.
-        "nixl_read_post_to_done_s": post_to_done,
+        "nixl_read_post_to_done_s": [r.seconds for r in measured],
         "memcpy": memcpy,
-        "process_vm_readv": cma,
+        "process_vm_readv": summary(cma_times, per_round) if cma_times else None,
         "memmove_per_descriptor": memmove,
         "read_vs_memcpy": read["gb_per_s"] / memcpy["gb_per_s"],
         "read_vs_memmove_per_descriptor": read["gb_per_s"] / memmove["gb_per_s"],
     }
-    return results
 
 
 def report(results: dict[str, Any]) -> str:

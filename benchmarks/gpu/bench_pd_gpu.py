@@ -223,7 +223,70 @@ def ratio(t: dict, a: str, b: str, key: str) -> str:
     return f"{t[a][key] / t[b][key]:.2f}x"
 
 
+# (label, cell a, cell b, target) of each ratio the report gives, a over b
+RATIOS = [
+    (
+        "ours kvcached contiguous / ours plain",
+        "g4tiny/kvcached-contiguous",
+        "g4tiny/plain",
+        "<= 1.2",
+    ),
+    (
+        "colocated kvcached contiguous / colocated plain (kvcached's own cost)",
+        "colocated:g4tiny/kvcached-contiguous",
+        "colocated:g4tiny/plain",
+        "-",
+    ),
+    (
+        "ours kvcached per-layer / ours plain",
+        "g4tiny/kvcached-per-layer",
+        "g4tiny/plain",
+        "<= 1.2",
+    ),
+    ("ours plain / NixlConnector plain", "g4tiny/plain", "nixl:g4tiny/plain", "<= 1.0"),
+    (
+        "colocated kvcached per-layer / colocated plain",
+        "colocated:g4tiny/kvcached-per-layer",
+        "colocated:g4tiny/plain",
+        "-",
+    ),
+    (
+        "NixlConnector kvcached per-layer / NixlConnector plain",
+        "nixl:g4tiny/kvcached-per-layer",
+        "nixl:g4tiny/plain",
+        "reference",
+    ),
+    (
+        "ours kvcached per-layer / NixlConnector kvcached per-layer",
+        "g4tiny/kvcached-per-layer",
+        "nixl:g4tiny/kvcached-per-layer",
+        "-",
+    ),
+]
+
+
+def cell_row(name: str, c: dict) -> str:
+    """One cell's row of the timings table (``c``: its aggregated timings)."""
+    if "failed" in c:
+        return f"| {name} | failed | failed | - | - |"
+    reads = (
+        f"{c['first_read'] * 1e3:.1f} / {c['steady_read'] * 1e3:.1f} ({c['reads']:.0f})"
+        if "first_read" in c
+        else "-"
+    )
+    first = f"{c['first']:.3f}"
+    if len(c["first_rounds"]) > 1:
+        each = zip(c["first_rounds"], c["cold_rounds"], strict=True)
+        first += " (" + ", ".join(f"{x:.2f}" + "*" * cold for x, cold in each) + ")"
+    kernels = ", ".join(str(k) for k in c.get("kernels_rounds", [c.get("kernels", "-")]))
+    return (
+        f"| {name} | {first} | {c['steady']:.3f} "
+        f"[{c['steady_min']:.3f}-{c['steady_max']:.3f}] | {reads} | {kernels} |"
+    )
+
+
 def report(*outs: Path) -> str:
+    """Timings of every cell, then the ratios between cells, then round by round."""
     rounds = each_round(outs)
     t = _aggregate([timings_of_round for _, timings_of_round in rounds])
     lines = [
@@ -234,72 +297,15 @@ def report(*outs: Path) -> str:
         "|---|---|---|---|---|",
     ]
     for name in BENCH_CELLS + [f"colocated:g4tiny/{c}" for c in COLOCATED]:
-        c = t.get(name)
-        if c is None:
-            continue
-        if "failed" in c:
-            lines.append(f"| {name} | failed | failed | - | - |")
-            continue
-        reads = (
-            f"{c['first_read'] * 1e3:.1f} / {c['steady_read'] * 1e3:.1f} ({c['reads']:.0f})"
-            if "first_read" in c
-            else "-"
-        )
-        first = f"{c['first']:.3f}"
-        if len(c["first_rounds"]) > 1:
-            each = zip(c["first_rounds"], c["cold_rounds"], strict=True)
-            first += " (" + ", ".join(f"{x:.2f}" + "*" * cold for x, cold in each) + ")"
-        kernels = ", ".join(str(k) for k in c.get("kernels_rounds", [c.get("kernels", "-")]))
-        lines.append(
-            f"| {name} | {first} | {c['steady']:.3f} "
-            f"[{c['steady_min']:.3f}-{c['steady_max']:.3f}] | {reads} | {kernels} |"
-        )
+        if name in t:
+            lines.append(cell_row(name, t[name]))
     lines += [
         "",
         "| ratio | first batch | steady batch | steady, batches pooled [95% CI over rounds] "
         "| target |",
         "|---|---|---|---|---|",
     ]
-    pairs = [
-        (
-            "ours kvcached contiguous / ours plain",
-            "g4tiny/kvcached-contiguous",
-            "g4tiny/plain",
-            "<= 1.2",
-        ),
-        (
-            "colocated kvcached contiguous / colocated plain (kvcached's own cost)",
-            "colocated:g4tiny/kvcached-contiguous",
-            "colocated:g4tiny/plain",
-            "-",
-        ),
-        (
-            "ours kvcached per-layer / ours plain",
-            "g4tiny/kvcached-per-layer",
-            "g4tiny/plain",
-            "<= 1.2",
-        ),
-        ("ours plain / NixlConnector plain", "g4tiny/plain", "nixl:g4tiny/plain", "<= 1.0"),
-        (
-            "colocated kvcached per-layer / colocated plain",
-            "colocated:g4tiny/kvcached-per-layer",
-            "colocated:g4tiny/plain",
-            "-",
-        ),
-        (
-            "NixlConnector kvcached per-layer / NixlConnector plain",
-            "nixl:g4tiny/kvcached-per-layer",
-            "nixl:g4tiny/plain",
-            "reference",
-        ),
-        (
-            "ours kvcached per-layer / NixlConnector kvcached per-layer",
-            "g4tiny/kvcached-per-layer",
-            "nixl:g4tiny/kvcached-per-layer",
-            "-",
-        ),
-    ]
-    for label, a, b, target in pairs:
+    for label, a, b, target in RATIOS:
         lines.append(
             f"| {label} | {ratio(t, a, b, 'first')} | {ratio(t, a, b, 'steady')} "
             f"| {pooled_steady_ratio(t, a, b)} | {target} |"

@@ -96,12 +96,26 @@ def cpu_digester(stack: Any) -> Any:
     return Digester(MemoryMap(stack.kv_caches.values()), "cpu")
 
 
+def held_params(source: Any, request_id: str, ids: list[list[int]], tokens: int) -> dict:
+    """The ``kv_transfer_params`` decode reads a request ``source`` holds with: what a
+    prefill engine's connector would hand back for it."""
+    from kvshare_connector.transfer.kv_params import kv_transfer_params
+
+    return kv_transfer_params(
+        remote_block_ids=ids,
+        remote_engine_id=source.settings.engine_id,
+        remote_request_id=request_id,
+        remote_host=source.host,
+        remote_port=source.port,
+        remote_num_tokens=tokens,
+    )
+
+
 # ---- prefill process ----------------------------------------------------------------------
 
 
 def run_prefill(args: argparse.Namespace) -> int:
     """Serve one request's KV until decode reads it or the lease ends (prints JSON lines)."""
-    from kvshare_connector.transfer.kv_params import kv_transfer_params
     from kvshare_connector.transfer.nixl import NixlTransport
     from kvshare_connector.transfer.probe import ProbeBuffer
     from kvshare_connector.transfer.settings import EngineSettings
@@ -120,14 +134,7 @@ def run_prefill(args: argparse.Namespace) -> int:
     )
     request_id = "req-0"
     source.hold(request_id, block_ids=ids)
-    params = kv_transfer_params(
-        remote_block_ids=ids,
-        remote_engine_id=engine_id,
-        remote_request_id=request_id,
-        remote_host=source.host,
-        remote_port=source.port,
-        remote_num_tokens=args.tokens,
-    )
+    params = held_params(source, request_id, ids, args.tokens)
     ready = {
         "kv_transfer_params": params,
         "layout": topology.layout,

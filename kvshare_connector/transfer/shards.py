@@ -19,6 +19,7 @@ pairing is refused when it is on. Both are logged.
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import replace
 
 import msgspec
@@ -87,8 +88,7 @@ class ShardedSink:
         self._parts: dict[str, set[str]] = {}  # request -> sub-reads not finished
         self._part_of: dict[str, str] = {}  # sub-read -> request
         self._reasons: dict[str, list[str]] = {}  # request -> why sub-reads failed
-        self._warned_unpacked = False
-        self._warned_unverified = False
+        self._logged: set[str] = set()  # what _log_sliced_once said already
 
     @property
     def in_flight(self) -> set[str]:
@@ -217,26 +217,35 @@ class ShardedSink:
                     self.topology.layout,
                     remote.layout,
                 )
-            if self.sink.digester is not None and not self._warned_unverified:
-                self._warned_unverified = True
-                logger.warning(
-                    "decode TP rank %d/%d reads head slices from prefill TP %d: verify_kv "
-                    "digests whole blocks, so those reads are not verified (verify_kv: true "
-                    "refuses such pairings instead)",
-                    self.shard.tp_rank,
-                    self.shard.tp_size,
+            if self.sink.digester is not None:
+                self._log_sliced_once(
+                    logging.WARNING,
+                    "verify_kv digests whole blocks, so those reads are not verified "
+                    "(verify_kv: true refuses such pairings instead)",
                     remote_shard.tp_size,
                 )
-            if self.sink.packer is not None and not self._warned_unpacked:
-                self._warned_unpacked = True
-                logger.info(
-                    "decode TP rank %d/%d reads head slices from prefill TP %d: packed "
-                    "transfer off for those reads (block by block)",
-                    self.shard.tp_rank,
-                    self.shard.tp_size,
+            if self.sink.packer is not None:
+                self._log_sliced_once(
+                    logging.INFO,
+                    "packed transfer off for those reads (block by block)",
                     remote_shard.tp_size,
                 )
         return owners
+
+    def _log_sliced_once(self, level: int, consequence: str, remote_tp: int) -> None:
+        """Say once per engine what reading head slices costs: every pairing with a
+        prefill of another TP size would repeat it."""
+        if consequence in self._logged:
+            return
+        self._logged.add(consequence)
+        logger.log(
+            level,
+            "decode TP rank %d/%d reads head slices from prefill TP %d: %s",
+            self.shard.tp_rank,
+            self.shard.tp_size,
+            remote_tp,
+            consequence,
+        )
 
     def _release(self, key: Key, params: kv_params.RemotePrefillParams, rank: int) -> None:
         """Tell a prefill rank no decode rank reads to free the request (best effort: its

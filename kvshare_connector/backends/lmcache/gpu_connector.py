@@ -12,7 +12,7 @@ it, so the backend package still imports without the optional extra.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,16 +44,18 @@ class OwnerRowsConnector(GPUConnectorInterface):
         return torch.Size([1, 1, num_tokens, self.stream.width])
 
     def from_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
-        transfer: Transfer = kwargs["kvshare"]
-        out = memory_obj.tensor.view(-1, self.stream.width)[: end - start]
-        self.rows.gather(self.stream, transfer.tables, transfer.first, start, end, out)
-        transfer.chunks.append((start, end))
-        transfer.nbytes += memory_obj.get_size()
+        self._copy(self.rows.gather, memory_obj, start, end, kwargs["kvshare"])
 
     def to_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
-        transfer: Transfer = kwargs["kvshare"]
+        self._copy(self.rows.scatter, memory_obj, start, end, kwargs["kvshare"])
+
+    def _copy(
+        self, copy: Callable[..., None], memory_obj: Any, start: int, end: int, transfer: Transfer
+    ) -> None:
+        """One chunk's rows between the blocks and ``memory_obj`` (``copy``: ``rows.gather``
+        or ``rows.scatter``), noted on ``transfer`` for the caller's coverage check."""
         rows = memory_obj.tensor.view(-1, self.stream.width)[: end - start]
-        self.rows.scatter(self.stream, transfer.tables, transfer.first, start, end, rows)
+        copy(self.stream, transfer.tables, transfer.first, start, end, rows)
         transfer.chunks.append((start, end))
         transfer.nbytes += memory_obj.get_size()
 

@@ -37,7 +37,7 @@ from kvshare_connector.backends.lmcache.header import (
     StoredHeader,
     check_header,
 )
-from kvshare_connector.backends.lmcache.rows import OwnerRows, streams_of
+from kvshare_connector.backends.lmcache.rows import OwnerRows, Stream, streams_of
 from kvshare_connector.backends.lmcache.tables import cut_tables, load_from, store_from
 from kvshare_connector.common.log import get_logger
 from kvshare_connector.layout.topology import KVTopology
@@ -172,15 +172,8 @@ class LMCacheStore:
         stored_from = [store_from(self.topology, g, tables[g], n) for g in range(len(tables))]
         keys: list[Any] = []
         nbytes = 0
-        for stream in self.streams:
-            begin = min(stored_from[g] for g in stream.groups)
-            if begin >= n:
-                continue
-            skip = begin // self.config.chunk_size * self.config.chunk_size
-            mask = torch.ones(n, dtype=torch.bool)
-            mask[:skip] = False
+        for stream, engine, mask, skip in self._stream_masks(stored_from, n):
             transfer = Transfer(tables, stored_from)
-            engine = self.engines[stream.name]
             engine.store(tokens, mask=mask, kvshare=transfer, req_id=request_id)
             covered = _covered(transfer.chunks)
             if covered != (skip, n):
@@ -286,16 +279,10 @@ class LMCacheStore:
             )
             for g in range(len(tables))
         ]
-        plans = []
-        for stream in self.streams:
-            begin = min(first[g] for g in stream.groups)
-            if begin >= n:
-                continue
-            skip = begin // self.config.chunk_size * self.config.chunk_size
-            mask = torch.ones(n, dtype=torch.bool)
-            mask[:skip] = False
-            engine = self.engines[stream.name]
-            plans.append((stream, engine, mask, skip, lm.chunk_keys(engine, tokens, mask)))
+        plans = [
+            (stream, engine, mask, skip, lm.chunk_keys(engine, tokens, mask))
+            for stream, engine, mask, skip in self._stream_masks(first, n)
+        ]
         for stream, engine, _, skip, keys in plans:  # prefill's puts may still be landing
             if not lm.wait_until(lambda e=engine, k=keys: lm.count_present(e, k) == len(k), limit):
                 found = lm.count_present(engine, keys)
@@ -323,6 +310,24 @@ class LMCacheStore:
         self.engines.clear()
 
     # -- helpers ---------------------------------------------------------------------------
+
+    def _stream_masks(
+        self, first: Sequence[int], n: int
+    ) -> list[tuple[Stream, Any, torch.Tensor, int]]:
+        """``(stream, engine, mask, skip)`` of each stream with tokens to copy: LMCache keys
+        whole chunks, so the mask starts at the chunk holding the stream's first position
+        (``first[g]`` per group) and the chunks before it are skipped."""
+        chunk = self.config.chunk_size
+        found = []
+        for stream in self.streams:
+            begin = min(first[g] for g in stream.groups)
+            if begin >= n:
+                continue
+            skip = begin // chunk * chunk
+            mask = torch.ones(n, dtype=torch.bool)
+            mask[:skip] = False
+            found.append((stream, self.engines[stream.name], mask, skip))
+        return found
 
     @property
     def _hash_algorithm(self) -> str:
