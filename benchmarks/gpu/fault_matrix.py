@@ -58,8 +58,11 @@ CASES = {
     "d": Case("prefill_release", "prefill", "failpoint source.before_release",
               ["--fault-victim", "prefill", "--fault-point", "source.before_release"]),
 }  # fmt: skip
-#: Every case: one GPU, engines started at once (fixed KV size), eager, a short load.
+#: Every case: one GPU, engines started at once (fixed KV size), eager, a short load;
+#: 64 sequences at most (vLLM's default 1,024 makes its sampler warm-up take ~17 GiB per
+#: engine, and 9 engines on one H200 ran out of memory at start on 2026-12-03).
 COMMON = ["--mode", "faults", "--enforce-eager", "--kv-cache-gib", "2", "--gpu-mem", "0.1",
+          "--serve-args", "--max-num-seqs 64",
           "--prefill-gpu", "0", "--decode-gpu", "0", "--load-seconds", "20", "--fault-rate", "4",
           "--kill-after", "8", "--restart-after", "2", "--ready-timeout", "300",
           "--rejoin-timeout", "150", "--bench-timeout", "120", "--grace", "10"]  # fmt: skip
