@@ -220,3 +220,13 @@ def test_without_a_secret_prefill_refuses_to_serve_beyond_loopback():
 
     with pytest.raises(side_channel.SideChannelError, match="would listen on 0.0.0.0 without"):
         KVSource(topology, NoTransport(), EngineSettings("p", host="0.0.0.0"))
+
+
+def test_a_target_that_cannot_start_says_why(monkeypatch):
+    """The attack target is started once more if it dies before it is ready (a CPU vLLM
+    stack can, e.g. on a port taken between being picked and bound); if it dies again, the
+    error carries its last lines."""
+    monkeypatch.setenv("KVSHARE_FAILPOINTS", "no.such.point=exit")
+    with pytest.raises(TimeoutError) as caught:
+        attacks.TargetProcess(SECRET, requests=1)
+    assert "exit 1" in str(caught.value) and "KVSHARE_FAILPOINTS" in str(caught.value)

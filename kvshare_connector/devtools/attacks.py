@@ -12,6 +12,7 @@ while and measures what a legitimate decode sees meanwhile.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -93,19 +94,32 @@ class TargetProcess:
         if secret:
             argv += ["--secret", secret]
         self.secret = secret.encode() if secret else None
+        self._changed = threading.Condition()
+        for attempt in (1, 2):
+            self._spawn(argv, env)
+            try:
+                ready = self._next(READY, 300)
+                break
+            except TimeoutError as exc:
+                # A CPU vLLM stack can die at start (once in CI: exit 1 before READY, e.g. a
+                # port taken between being picked and bound): start it once more, and say so.
+                if attempt == 2 or self.process.poll() is None:
+                    raise
+                print(f"attack target: started again after: {exc}", file=sys.stderr)
+        self.engine_id: str = ready["engine_id"]
+        self.port: int = ready["port"]
+        self.requests: dict[str, list[list[int]]] = ready["requests"]
+
+    def _spawn(self, argv: list[str], env: dict[str, str]) -> None:
         self.process = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, env=env,
         )  # fmt: skip
         self.log_bytes = 0  # all it logged (stdout and stderr)
+        self._tail: collections.deque[str] = collections.deque(maxlen=8)  # said why it ended
         self._lines: list[str] = []
-        self._changed = threading.Condition()
         threading.Thread(target=self._read, args=(self.process.stdout, True), daemon=True).start()
         threading.Thread(target=self._read, args=(self.process.stderr, False), daemon=True).start()
-        ready = self._next(READY, 300)
-        self.engine_id: str = ready["engine_id"]
-        self.port: int = ready["port"]
-        self.requests: dict[str, list[list[int]]] = ready["requests"]
 
     def _read(self, stream: Any, stdout: bool) -> None:
         """Protocol lines are kept; everything else is log (vLLM logs to stdout)."""
@@ -115,6 +129,7 @@ class TargetProcess:
                     self._lines.append(line)
                 else:
                     self.log_bytes += len(line.encode())
+                    self._tail.append(line.rstrip()[:300])
                 self._changed.notify_all()
 
     def _next(self, prefix: str, timeout_s: float) -> dict[str, Any]:
@@ -128,7 +143,10 @@ class TargetProcess:
                 left = deadline - time.monotonic()
                 if left <= 0 or self.process.poll() is not None:
                     code = self.process.poll()
-                    raise TimeoutError(f"target: no {prefix.strip()} line (exit {code})")
+                    raise TimeoutError(
+                        f"target: no {prefix.strip()} line (exit {code}); its last lines: "
+                        + " | ".join(self._tail)
+                    )
                 self._changed.wait(min(left, 0.1))
 
     @property
