@@ -337,7 +337,12 @@ def _probe_pd(
         prefill.run_until(lambda: len(prefill.outputs) == 3)
         prefill.step()  # the step after they finished: holds (and digests) reach the worker
         config = {**extra, "kv_probe": {"out": str(tmp_path / "d")}}
-        made.append(Engine(model, "per_layer", "kv_consumer", pick_free_port(), config, **probe))
+        # "recompute": a refused load is computed locally and says why (kv_load_error), on
+        # 0.26 and on vLLM >= 0.30, where kv_load_failure_policy decides (default: fail)
+        policy = {"failure_policy": "recompute"} if tamper else {}
+        made.append(
+            Engine(model, "per_layer", "kv_consumer", pick_free_port(), config, **probe, **policy)
+        )
         requests = {
             r: {"kv_transfer_params": o.kv_transfer_params} for r, o in prefill.outputs.items()
         }
