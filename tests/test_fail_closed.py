@@ -24,7 +24,7 @@ from kvshare_connector.layout.topology import (
 from kvshare_connector.toolkit.procs import pick_free_port
 from kvshare_connector.transfer import kv_params, protocol
 from kvshare_connector.transfer.settings import EngineSettings
-from kvshare_connector.transfer.side_channel import ask
+from kvshare_connector.transfer.side_channel_client import ask
 from kvshare_connector.transfer.sink import align_block_ids
 
 # ---- a. block counts, c. null blocks ----------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 
 import pytest
 
@@ -27,9 +28,10 @@ def test_every_option_is_read_from_the_extra_config():
         "verify_kv": True, "side_channel_secret": "s3cret", "side_channel_insecure": "1",
         "allowed_prefills": ["10.0.0.1", "10.0.0.2:5600"], "ucx_lane": "off",
         "lane_probe_mib": 0.5, "nixl_progress_thread": False, "read_log": "/tmp/reads.jsonl",
-        "lmcache": {"remote_url": "lm://h:1"},
+        "lmcache": {"remote_url": "lm://h:1"}, "switch_interval_ms": "0.5",
     }  # fmt: skip
     o = ConnectorOptions.parse(extra, environ={})
+    assert o.switch_interval_ms == 0.5
     assert set(extra) == {f.name for f in dataclasses.fields(ConnectorOptions)}
     assert o.kv_lease_duration == 12.5 and o.cross_layer_blocks is False
     assert o.staging_bytes == 0 and o.verify_kv and o.secret == b"s3cret"
@@ -49,6 +51,23 @@ def test_environment_variables_and_the_extra_config_wins():
     assert not o.nixl_progress_thread and o.ucx_lane == "off"
     o = ConnectorOptions.parse({"side_channel_secret": "mine", "ucx_lane": "auto"}, environ)
     assert o.secret == b"mine" and o.ucx_lane == "auto"
+
+
+def test_prefill_shortens_the_switch_interval_but_never_lengthens_it(monkeypatch):
+    """The nixl backend's ``switch_interval_ms`` (bench_claim_latency: a claim's hops wait
+    up to Python's 5 ms each for the GIL behind a busy engine thread)."""
+    from kvshare_connector.backends.nixl import _shorten_switch_interval
+
+    monkeypatch.setattr(sys, "setswitchinterval", lambda s: set_to.append(s))
+    monkeypatch.setattr(sys, "getswitchinterval", lambda: 0.005)
+    set_to: list[float] = []
+    _shorten_switch_interval(1.0)
+    _shorten_switch_interval(0.0)  # 0: Python's, left
+    _shorten_switch_interval(20.0)  # longer than it is: left
+    assert set_to == [0.001]
+    assert ConnectorOptions.parse({}, environ={}).switch_interval_ms == 1.0
+    with pytest.raises(OptionError, match="switch_interval_ms must be 0 or more"):
+        ConnectorOptions.parse({"switch_interval_ms": -1}, environ={})
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ from kvshare_connector.transfer import protocol
 from kvshare_connector.transfer.kv_params import remote_prefill_params
 from kvshare_connector.transfer.nixl import NixlTransport
 from kvshare_connector.transfer.settings import EngineSettings
+from kvshare_connector.transfer.side_channel_client import Pipe
 from kvshare_connector.transfer.sink import KVSink
 
 from .support.transfer_peer import PeerProcess
@@ -132,14 +133,15 @@ def test_a_steps_claims_to_one_prefill_go_in_one_message(sink, alive, monkeypatc
     """Requests that reach the CLAIM phase together are claimed in one message, each with
     its own reader token, and all land (one ask per request queued them on two threads)."""
     claims: list[protocol.Claim] = []
-    ask = sink.peers.ask
+    send = Pipe.send
 
-    def counting(key, engine_id, message):
+    def counting(pipe, payload):
+        message = protocol.decode(payload)
         if isinstance(message, protocol.Claim):
             claims.append(message)
-        return ask(key, engine_id, message)
+        return send(pipe, payload)
 
-    monkeypatch.setattr(sink.peers, "ask", counting)
+    monkeypatch.setattr(Pipe, "send", counting)
     ids = {f"batch-{i}" for i in range(4)}
     for i, request_id in enumerate(sorted(ids)):
         queue(sink, alive.request("healthy", i + 2), request_id, seed=200 + i)

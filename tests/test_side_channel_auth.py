@@ -24,11 +24,11 @@ from kvshare_connector.transfer.side_channel import (
     SideChannelError,
     SideChannelRefused,
     SideChannelServer,
-    ask,
     destination,
     encode_reply,
     encode_request,
 )
+from kvshare_connector.transfer.side_channel_client import ask
 
 SECRET = b"a shared secret of the deployment"
 ENGINE = "prefill-0"

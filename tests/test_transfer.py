@@ -290,6 +290,7 @@ def test_packed_read_lands_every_block_in_a_few_descriptors(peer, decoders):
     while not (packed.sink._reads[rid].claim and packed.sink._reads[rid].claim.done()):
         assert time.monotonic() < deadline, "no claim reply"
         time.sleep(0.01)
+        packed.sink.peers.pump()  # reads the reply off the socket, as the next step does
     done, failed = packed.sink.poll(spin_s=10.0)
     assert rid in done, failed
     assert (

@@ -26,7 +26,7 @@ from kvshare_connector.devtools.demo import request_block_ids
 from kvshare_connector.layout.descriptors import request_descriptors
 from kvshare_connector.toolkit.procs import pick_free_port
 from kvshare_connector.transfer import kv_params, protocol, side_channel
-from kvshare_connector.transfer.side_channel import ask
+from kvshare_connector.transfer.side_channel_client import ask
 
 from .support.transfer_decode import (
     E2B,

@@ -69,6 +69,10 @@ class ConnectorOptions:
     nixl_progress_thread: bool = _option(True, "NIXL's background progress thread (it "
                                          "busy-polls one core per engine).",
                                          "KVSHARE_NIXL_PROGRESS_THREAD")
+    switch_interval_ms: float = _option(1.0, "Prefill: Python's thread switch interval in "
+                                        "the engine process (its 5 ms default is what a "
+                                        "claim waits for the GIL behind the engine thread); "
+                                        "0: leave Python's.", "KVSHARE_SWITCH_INTERVAL_MS")
     read_log: str | None = _option(None, "A path: decode appends one JSON line per finished "
                                    "read (bytes, descriptors, phase timeline).")
     lmcache: Mapping[str, Any] = _option(None, "The LMCache backend's own options "
@@ -172,7 +176,7 @@ def _convert(name: str, raw: Any, source: str) -> Any:
         return _flag(raw, source)
     if name in ("cross_layer_blocks", "verify_kv"):
         return None if raw is None else _flag(raw, source)
-    if name in _POSITIVE or name in ("staging_mib", "lane_probe_mib"):
+    if name in _POSITIVE or name in ("staging_mib", "lane_probe_mib", "switch_interval_ms"):
         return _number(raw, source, positive=name in _POSITIVE)
     if name in _CHOICES:
         if raw not in _CHOICES[name]:

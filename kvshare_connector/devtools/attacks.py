@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvshare_connector.transfer import protocol, side_channel
+from kvshare_connector.transfer import protocol, side_channel, side_channel_client
 
 READY = "KVSHARE_TARGET_READY "
 STATS = "KVSHARE_TARGET_STATS "
@@ -41,11 +41,15 @@ def _serve(args: argparse.Namespace) -> int:
     from kvshare_connector.transfer.settings import EngineSettings
     from kvshare_connector.transfer.source import KVSource
 
+    if args.switch_interval_ms:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)  # as the nixl backend does
     _stack, topology = build("g4tiny", "per_layer", 16, 2048)
     engine_id = f"target-{os.getpid()}"
     secret = args.secret.encode() if args.secret else None
     settings = EngineSettings(engine_id, lease_s=3600.0, secret=secret)
-    source = KVSource(topology, NixlTransport(engine_id), settings)
+    source = KVSource(
+        topology, NixlTransport(engine_id), settings, inline_answers=not args.pool_answers
+    )
     held = requests_block_ids(topology, TOKENS, args.requests, 7)
     for index, ids in enumerate(held):
         source.hold(f"req-{index}", block_ids=ids)
@@ -54,11 +58,14 @@ def _serve(args: argparse.Namespace) -> int:
           flush=True)  # fmt: skip
     asked = threading.Event()
     closed = threading.Event()
+    busy_s = [args.busy_ms / 1e3]
 
     def watch_stdin() -> None:
         for line in sys.stdin:
             if line.strip() == "stats":
                 asked.set()
+            elif line.startswith("busy "):
+                busy_s[0] = float(line.split()[1]) / 1e3
         closed.set()
 
     threading.Thread(target=watch_stdin, daemon=True).start()
@@ -80,16 +87,39 @@ def _serve(args: argparse.Namespace) -> int:
                                       "transport": by_reason}),
                   flush=True)  # fmt: skip
             worst = worst_cpu = 0.0
-        time.sleep(0.005)
+        if busy_s[0]:
+            _hold_gil(busy_s[0])
+        else:
+            time.sleep(0.005)
     source.close()
     return 0
 
 
-class TargetProcess:
-    """A running prefill target; every wait on it is bounded."""
+def _hold_gil(seconds: float) -> None:
+    """Run Python for ``seconds`` without a pause, as an engine thread does between its
+    steps' waits (an eager forward launches every kernel from Python)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(range(200))
 
-    def __init__(self, secret: str | None, requests: int = 8):
+
+class TargetProcess:
+    """A running prefill target; every wait on it is bounded. ``busy_ms``: its engine
+    thread holds the GIL as a busy engine does, polling every ``busy_ms``; ``pool``: it
+    answers on the side channel's helper thread (``KVSource(inline_answers=False)``);
+    ``switch_interval_ms``: Python's thread switch interval there (0: Python's)."""
+
+    def __init__(
+        self,
+        secret: str | None,
+        requests: int = 8,
+        busy_ms: float = 0.0,
+        pool: bool = False,
+        switch_interval_ms: float = 0.0,
+    ):
         argv = [sys.executable, "-m", __name__, "--requests", str(requests)]
+        argv += ["--busy-ms", str(busy_ms), "--switch-interval-ms", str(switch_interval_ms)]
+        argv += ["--pool-answers"] if pool else []
         env = dict(os.environ, PYTHONUNBUFFERED="1", KVSHARE_NIXL_PROGRESS_THREAD="0")
         if secret:
             argv += ["--secret", secret]
@@ -161,6 +191,12 @@ class TargetProcess:
         self.process.stdin.write("stats\n")
         self.process.stdin.flush()
         return self._next(STATS, 30)
+
+    def busy(self, ms: float) -> None:
+        """From now on its engine thread holds the GIL, polling every ``ms`` (0: idle)."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(f"busy {ms}\n")
+        self.process.stdin.flush()
 
     def rss(self) -> int:
         """Resident bytes of the target process now."""
@@ -261,7 +297,7 @@ def legit_round(target: TargetProcess, timeout_s: float = 5.0) -> float:
     hello = protocol.Hello(protocol.PROTOCOL_VERSION, "legit", target.engine_id)
     for message in (hello, _claim(target, "not-held-yet", [[1]], "legit-token")):
         reply = protocol.decode(
-            side_channel.ask_retrying(  # as decode asks: "busy" is asked again
+            side_channel_client.ask_retrying(  # as decode asks: "busy" is asked again
                 "127.0.0.1", target.port, protocol.encode(message), timeout_s, target.secret,
                 target.engine_id,
             )
@@ -391,4 +427,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="a prefill side channel to attack")
     parser.add_argument("--secret", default=None)
     parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--busy-ms", type=float, default=0.0)
+    parser.add_argument("--pool-answers", action="store_true")
+    parser.add_argument("--switch-interval-ms", type=float, default=0.0)
     sys.exit(_serve(parser.parse_args()))

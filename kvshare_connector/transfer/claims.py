@@ -3,13 +3,15 @@ its answer as a ``Grant``, a retry ("not held yet") or the error that ends the r
 
 A step's reads from one prefill are claimed in one message (``reads.claim_batches``): with
 one ask per request they queued on the prefill's two ask threads, and the last of sixteen
-concurrent requests waited for fifteen round trips before its READ.
+concurrent requests waited for fifteen round trips before its READ. The message goes over
+the peer's ``Pipe`` from the engine thread and its answer is picked up at the next step
+boundary: through a helper thread, a claim waited for the GIL at every hop.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import CancelledError
+from concurrent.futures import CancelledError, Future
 
 from kvshare_connector.layout.verification import VerificationError
 from kvshare_connector.transfer import protocol
@@ -18,6 +20,7 @@ from kvshare_connector.transfer.peers import HandshakeError, Peers
 from kvshare_connector.transfer.reads import Grant, Read, ReadOrder, claim_batches
 from kvshare_connector.transfer.settings import EngineSettings
 from kvshare_connector.transfer.side_channel import SideChannelError
+from kvshare_connector.transfer.side_channel_client import retryable
 
 NOT_HELD_RETRY_S = 0.01  # "not held yet": ask again this much later
 
@@ -61,8 +64,13 @@ class Claims:
         except CancelledError:
             raise HandshakeError(
                 f"prefill {p.remote_engine_id} was evicted before the claim of request "
-                f"{p.remote_request_id} could be asked"
+                f"{p.remote_request_id} was answered"
             ) from None
+        except PeerDown as exc:
+            if not (retryable(exc.__cause__) and self._in_time(read)):
+                raise
+            read.next_claim = time.monotonic() + NOT_HELD_RETRY_S  # alive: ask again
+            return None
         rid = p.remote_request_id
         if rid in reply.refused:
             raise ClaimRefused(
@@ -81,7 +89,7 @@ class Claims:
                 f"prefill {p.remote_engine_id} no longer holds request {rid}'s blocks (read "
                 "already, or its lease expired)"
             )
-        if time.monotonic() - read.created > self.settings.handshake_timeout_s:
+        if not self._in_time(read):
             raise HandshakeError(
                 f"prefill {p.remote_engine_id} never held request {rid} within "
                 f"{self.settings.handshake_timeout_s:g} s"
@@ -89,34 +97,35 @@ class Claims:
         read.next_claim = time.monotonic() + NOT_HELD_RETRY_S
         return None
 
+    def _in_time(self, read: Read) -> bool:
+        return time.monotonic() - read.created <= self.settings.handshake_timeout_s
+
     def send(self) -> dict[str, Exception]:
         """Ask each prefill once for every read that became due since the last call;
-        returns the reads whose claim could not even be queued (e.g. the sink is closing)."""
+        returns the reads whose claim could not even be sent (e.g. the peer was evicted)."""
         due, self._due = self._due, []
         failed: dict[str, Exception] = {}
         for batch in claim_batches(due):
             p = batch[0].order.params
             key = (p.remote_host, p.remote_port)
-            try:
-                verify = batch[0].plan is not None and batch[0].plan.verify
-                future = self.peers.submit(key, self._ask, [r.order for r in batch], verify)
-            except Exception as exc:
+            pipe = self.peers.pipe(key)
+            if pipe is None:
+                exc = HandshakeError(f"prefill at {key[0]}:{key[1]} is not connected")
                 failed.update((r.request_id, exc) for r in batch)
                 continue
+            verify = batch[0].plan is not None and batch[0].plan.verify
+            claim = self._claim([r.order for r in batch], verify)
+            future = _answer(pipe.send(protocol.encode(claim)), key, claim.request_ids)
             for read in batch:
                 read.claim = future
         return failed
 
-    def _ask(self, orders: list[ReadOrder], verify: bool) -> protocol.ClaimReply:
-        """One claim naming every order (on the prefill's ask thread); ``verify``: ask for
-        prefill's digests of them."""
-        p = orders[0].params
-        host, port = p.remote_host, p.remote_port
-        ids = [o.params.remote_request_id for o in orders]
-        claim = protocol.Claim(
+    def _claim(self, orders: list[ReadOrder], verify: bool) -> protocol.Claim:
+        """One claim naming every order; ``verify``: ask for prefill's digests of them."""
+        return protocol.Claim(
             protocol.PROTOCOL_VERSION,
             self.settings.engine_id,
-            ids,
+            [o.params.remote_request_id for o in orders],
             self.settings.transfer_timeout_s + 5,
             tokens={o.params.remote_request_id: o.token for o in orders},
             block_ids={  # all that prefill holds for each
@@ -127,17 +136,43 @@ class Claims:
             verify=verify,
             readers=orders[0].readers,
         )
+
+
+def _answer(
+    raw: Future[bytes], key: tuple[str, int], ids: list[str]
+) -> Future[protocol.ClaimReply]:
+    """The claim's reply, decoded once for all the reads it names (settled by the pipe, on
+    the engine thread)."""
+    out: Future[protocol.ClaimReply] = Future()
+
+    def settle(done: Future[bytes]) -> None:
+        if done.cancelled():
+            out.cancel()
+            return
         try:
-            reply = self.peers.ask((host, port), p.remote_engine_id, claim)
-        except SideChannelError as exc:
+            out.set_result(_decode(done.result(), key, ids))
+        except SideChannelError as exc:  # unanswered; ``__cause__`` says if worth a retry
             what = ids[0] if len(ids) == 1 else f"{len(ids)} requests ({ids[0]}, ...)"
-            raise PeerDown(f"claiming {what} at {host}:{port}: {exc}") from exc
-        except protocol.ProtocolError as exc:
-            raise ClaimRefused(
-                f"prefill at {host}:{port} answered a claim with garbage: {exc}"
-            ) from exc
-        if isinstance(reply, protocol.ErrorReply):
-            raise ClaimRefused(f"prefill at {host}:{port} refused the claim: {reply.message}")
-        if not isinstance(reply, protocol.ClaimReply):
-            raise ClaimRefused(f"prefill at {host}:{port} answered a claim with {reply}")
-        return reply
+            down = PeerDown(f"claiming {what} at {key[0]}:{key[1]}: {exc}")
+            down.__cause__ = exc
+            out.set_exception(down)
+        except ClaimRefused as exc:
+            out.set_exception(exc)
+
+    raw.add_done_callback(settle)
+    return out
+
+
+def _decode(raw: bytes, key: tuple[str, int], ids: list[str]) -> protocol.ClaimReply:
+    host, port = key
+    try:
+        reply = protocol.decode(raw)
+    except protocol.ProtocolError as exc:
+        raise ClaimRefused(
+            f"prefill at {host}:{port} answered a claim with garbage: {exc}"
+        ) from exc
+    if isinstance(reply, protocol.ErrorReply):
+        raise ClaimRefused(f"prefill at {host}:{port} refused the claim: {reply.message}")
+    if not isinstance(reply, protocol.ClaimReply):
+        raise ClaimRefused(f"prefill at {host}:{port} answered a claim with {reply}")
+    return reply

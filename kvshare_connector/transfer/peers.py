@@ -1,8 +1,11 @@
 """Decode's prefill peers: handshakes, side-channel asks per peer, eviction and memory.
 
-Each prefill endpoint gets its own worker thread for side-channel asks (handshake, claims,
+Each prefill endpoint gets its own worker thread for side-channel asks (handshakes,
 releases), so a dead or slow prefill, whose asks each wait out the timeout, delays only its
-own requests. A peer that fails (unreachable, a failed READ) is evicted: its NIXL peer is
+own requests; claims, on every request's way to its first token, go over the peer's
+``Pipe``, which the engine thread drives without a thread hop (``side_channel_client``).
+
+A peer that fails (unreachable, a failed READ) is evicted: its NIXL peer is
 removed, its queued asks are cancelled, and for ``retry_s`` requests for it fail at once
 with the reason instead of waiting; after that it is handshaken again (a restarted
 prefill rejoins). A peer whose layout does not match is remembered for ``retry_s`` too,
@@ -27,7 +30,8 @@ from kvshare_connector.layout.topology import KVTopology
 from kvshare_connector.transfer import protocol
 from kvshare_connector.transfer.nixl import NixlTransport
 from kvshare_connector.transfer.settings import EngineSettings
-from kvshare_connector.transfer.side_channel import SideChannelError, ask_retrying
+from kvshare_connector.transfer.side_channel import SideChannelError
+from kvshare_connector.transfer.side_channel_client import Pipe, ask_retrying
 
 logger = get_logger(__name__)
 
@@ -64,8 +68,9 @@ class _Link:
     """One prefill endpoint: its ask thread, handshake in flight, peer once known."""
 
     executor: ThreadPoolExecutor
-    handshake: Future[protocol.HandshakeReply] | None = None
+    handshake: Future[tuple[protocol.HandshakeReply, Pipe]] | None = None
     peer: Peer | None = None
+    pipe: Pipe | None = None  # claims, once handshaken
     down_until: float = 0.0
     error: Exception | None = None  # why it is down (a LayoutMismatch is re-raised as is)
 
@@ -111,10 +116,19 @@ class Peers:
         decoded. A prefill that answers "busy" is asked again (with backoff, within the
         timeout): it is alive, and a refusal for rate is no reason to drop it."""
         payload = protocol.encode(message)
-        raw = ask_retrying(
-            key[0], key[1], payload, self.timeout_s, self.settings.secret, engine_id
-        )
+        raw = ask_retrying(key[0], key[1], payload, self.timeout_s, self.settings.secret, engine_id)
         return protocol.decode(raw)
+
+    def pipe(self, key: Key) -> Pipe | None:
+        """The connection claims to the handshaken peer at ``key`` go over."""
+        link = self._links.get(key)
+        return link.pipe if link is not None and link.peer is not None else None
+
+    def pump(self) -> None:
+        """Move the claims' bytes both ways (never waits; on the engine thread)."""
+        for link in list(self._links.values()):
+            if link.pipe is not None:
+                link.pipe.pump()
 
     def known(self, key: Key, engine_id: str) -> Peer | None:
         """The handshaken peer at ``key`` if it is ``engine_id`` (no side effects)."""
@@ -143,17 +157,20 @@ class Peers:
                 f"before its next try: {link.error}"
             )
         if link.handshake is None:
-            link.handshake = link.executor.submit(self._fetch, host, port, expect)
+            link.handshake = link.executor.submit(self._handshake, host, port, expect)
             return None
         if not link.handshake.done():
             return None
         future, link.handshake = link.handshake, None
         try:
-            peer = self._connect(key, future.result())
+            reply, pipe = future.result()
+            peer = self._connect(key, reply)
         except (HandshakeError, LayoutMismatch) as exc:
             self._mark_down(key, link, exc)
             raise
-        link.peer, link.error = peer, None
+        if link.pipe is not None:
+            link.pipe.close()
+        link.peer, link.pipe, link.error = peer, pipe, None
         return peer
 
     def _connect(self, key: Key, reply: protocol.HandshakeReply) -> Peer:
@@ -195,6 +212,16 @@ class Peers:
         )
         return peer
 
+    def _handshake(self, host: str, port: int, expect: str) -> tuple[protocol.HandshakeReply, Pipe]:
+        """The peer's handshake and the pipe for its claims (made here: resolving its
+        address may block)."""
+        reply = self._fetch(host, port, expect)
+        try:
+            pipe = Pipe(host, port, expect, self.timeout_s, self.settings.secret)
+        except OSError as exc:
+            raise HandshakeError(f"cannot resolve prefill at {host}:{port}: {exc}") from exc
+        return reply, pipe
+
     def _fetch(self, host: str, port: int, expect: str) -> protocol.HandshakeReply:
         hello = protocol.Hello(protocol.PROTOCOL_VERSION, self.engine_id, expect)
         failpoint("peers.handshake")
@@ -228,6 +255,9 @@ class Peers:
         if link.peer is not None:
             self.transport.remove_peer(link.peer.agent)
             link.peer = None
+        if link.pipe is not None:
+            link.pipe.close()  # its claims are cancelled
+            link.pipe = None
         link.error, link.down_until = error, time.monotonic() + self.retry_s
         if not isinstance(error, LayoutMismatch):  # it answers: its queue may go on
             # Asks queued behind a dead peer's timeouts fail now (their futures are
@@ -245,5 +275,7 @@ class Peers:
         side-channel timeout): their threads are gone when this returns."""
         for link in self._links.values():
             link.executor.shutdown(wait=False, cancel_futures=True)
+            if link.pipe is not None:
+                link.pipe.close()
         for executor in [*self._retired, *(link.executor for link in self._links.values())]:
             executor.shutdown(wait=True)

@@ -167,8 +167,10 @@ def encode_request(payload: bytes, where: str, secret: bytes | None = None) -> t
     if secret is not None:
         nonce = secrets.token_bytes(_NONCE)
         stamp = struct.pack(">Q", int(time.time() * 1000))
-        auth = nonce + stamp + _mac(
-            secret, _REQUEST_DOMAIN, nonce, stamp, where.encode() + b"\0", payload
+        auth = (
+            nonce
+            + stamp
+            + _mac(secret, _REQUEST_DOMAIN, nonce, stamp, where.encode() + b"\0", payload)
         )
     return _frame(_REQUEST, _encoder.encode(_Request(where, auth, payload))), nonce
 
@@ -239,21 +241,32 @@ class LogBudget:
             self._suppressed += 1
 
 
+Answer = bytes | Callable[[], bytes]  # a reply now, or work that may wait for one
+
+
 class SideChannelServer:
-    """Answers each request with ``handler(payload)`` (on a helper thread), from an event
-    loop of its own; refusals are answered, counted by reason (``refused``) and logged
-    within a budget."""
+    """Answers each request with ``handler(payload)``, from an event loop of its own;
+    refusals are answered, counted by reason (``refused``) and logged within a budget.
+
+    The handler runs on the loop's thread and returns the reply, or a function that may
+    wait (e.g. for device work) and is run on a helper thread. Each hop between threads
+    costs up to a GIL switch interval (5 ms) while the engine thread runs Python, so what
+    can be answered at once is (``benchmarks/bench_claim_latency.py``); with
+    ``inline=False`` every answer takes the helper thread (the comparison's other side).
+    """
 
     def __init__(
         self,
         host: str,
         port: int,
-        handler: Callable[[bytes], bytes],
+        handler: Callable[[bytes], Answer],
         secret: bytes | None = None,
         engine_id: str = "",
         limits: Limits | None = None,
+        inline: bool = True,
     ):
         self._handler = handler
+        self._inline = inline
         self._secret = secret
         self.limits = limits or Limits()
         self._accepted = _Buckets(self.limits.rate, self.limits.burst)
@@ -345,9 +358,7 @@ class SideChannelServer:
             writer.close()
 
     @staticmethod
-    async def _drain_and_close(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    async def _drain_and_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Close after a refusal so that the peer gets it: closing with its unread bytes
         still here would reset the connection and lose the reply. So: end our side, then
         read and drop what it sends (at most 1 MiB, for at most half a second)."""
@@ -422,12 +433,21 @@ class SideChannelServer:
         if not self._accepted.take(address):
             return self._refuse(address, "busy", f"{address} sends faster than allowed: retry")
         try:
-            payload = await self._loop.run_in_executor(self._pool, self._handler, request.payload)
+            payload = await self._handle(request.payload)
         except Exception as exc:  # never let one request stop the listener
             logger.exception("side channel: handler failed")
             return self._refuse(address, "failed", f"the request failed: {exc}")
         mac = _mac(self._secret, _REPLY_DOMAIN, nonce, payload) if self._secret else b""
         return encode_reply("ok", payload, mac)
+
+    async def _handle(self, payload: bytes) -> bytes:
+        if not self._inline:
+            answer = await self._loop.run_in_executor(self._pool, self._handler, payload)
+        else:
+            answer = self._handler(payload)
+        while callable(answer):  # it has to wait: not on the loop
+            answer = await self._loop.run_in_executor(self._pool, answer)
+        return answer
 
     def _authenticate(self, request: _Request) -> tuple[str, str] | None:
         """Why an authenticated request is refused (code, text), or None."""
@@ -468,99 +488,31 @@ class SideChannelServer:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-class _Closed(ConnectionError):
-    """The peer closed the connection before the reply was whole."""
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError
-        sock.settimeout(left)
-        chunk = sock.recv(min(n - got, 1 << 20))
-        if not chunk:
-            raise _Closed("connection closed before the whole reply")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def ask(
-    host: str,
-    port: int,
-    payload: bytes,
-    timeout_s: float,
-    secret: bytes | None = None,
-    engine_id: str = "",
-    max_reply_bytes: int = MAX_REPLY_BYTES,
-) -> bytes:
-    """Send one request to engine ``engine_id`` at ``host:port`` and wait at most
-    ``timeout_s`` for its reply (authenticated both ways with ``secret``).
-    ``SideChannelRefused`` if it refused, ``SideChannelError`` if it did not answer."""
-    request, nonce = encode_request(payload, destination(engine_id, host, port), secret)
-    deadline = time.monotonic() + timeout_s
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            sock.sendall(request)
-            magic, version, kind, _, length = _HEADER.unpack(
-                _recv_exact(sock, _HEADER.size, deadline)
-            )
-            if (magic, version, kind) != (_MAGIC, _VERSION, _REPLY) or length > max_reply_bytes:
-                raise SideChannelError(
-                    f"peer at {host}:{port} answered something else than a kvshare side-channel "
-                    f"reply ({length} B)"
-                )
-            body = _recv_exact(sock, length, deadline)
-    except TimeoutError as exc:
+def reply_length(header: bytes, where: str, max_reply_bytes: int = MAX_REPLY_BYTES) -> int:
+    """The body length a reply's header states (``SideChannelError`` if it is none)."""
+    magic, version, kind, _, length = _HEADER.unpack(header)
+    if (magic, version, kind) != (_MAGIC, _VERSION, _REPLY) or length > max_reply_bytes:
         raise SideChannelError(
-            f"no answer from the prefill side channel at {host}:{port} within {timeout_s:.3g} s"
-        ) from exc
-    except OSError as exc:
-        why = exc.strerror or str(exc)
-        # Reset or closed unanswered: a server over its connection cap (or an address's
-        # refusal budget) closes without reading; ask again. Refused: nobody listens.
-        alive = isinstance(exc, ConnectionResetError | _Closed)
-        kind = SideChannelReset if alive else SideChannelError
-        raise kind(f"no answer from the prefill side channel at {host}:{port}: {why}") from exc
+            f"peer at {where} answered something else than a kvshare side-channel reply "
+            f"({length} B)"
+        )
+    return length
+
+
+def open_reply(body: bytes, nonce: bytes, secret: bytes | None, where: str) -> bytes:
+    """The answer a reply body carries, once it is checked to answer the request that
+    ``nonce`` was sent with; ``SideChannelRefused`` for a refusal."""
     try:
         reply = _reply_decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise SideChannelError(f"peer at {host}:{port} answered a malformed reply: {exc}") from exc
+        raise SideChannelError(f"peer at {where} answered a malformed reply: {exc}") from exc
     if reply.code != "ok":
         text = reply.payload[:MAX_REFUSAL_CHARS].decode(errors="replace")
-        message = f"peer at {host}:{port} refused ({reply.code}): {text}"
-        raise SideChannelRefused(reply.code, message)
+        raise SideChannelRefused(reply.code, f"peer at {where} refused ({reply.code}): {text}")
     if secret is not None and not hmac.compare_digest(
         reply.mac, _mac(secret, _REPLY_DOMAIN, nonce, reply.payload)
     ):
         raise SideChannelError(
-            f"reply from {host}:{port} is not authenticated (is side_channel_secret the same "
-            "on prefill?)"
+            f"reply from {where} is not authenticated (is side_channel_secret the same on prefill?)"
         )
     return reply.payload
-
-
-def ask_retrying(
-    host: str,
-    port: int,
-    payload: bytes,
-    timeout_s: float,
-    secret: bytes | None = None,
-    engine_id: str = "",
-) -> bytes:
-    """``ask``, asking again (with backoff, within ``timeout_s`` in all) while the peer
-    answers ``busy`` or ``overloaded``, or resets the connection unanswered: it is alive,
-    and a refusal for rate is no reason to give up on it (or to evict it)."""
-    deadline = time.monotonic() + timeout_s
-    pause = 0.005
-    while True:
-        try:
-            return ask(host, port, payload, deadline - time.monotonic(), secret, engine_id)
-        except SideChannelError as exc:
-            again = exc.busy if isinstance(exc, SideChannelRefused) else exc.retryable
-            if not again or time.monotonic() + pause >= deadline:
-                raise
-            time.sleep(pause)
-            pause = min(pause * 2, 0.2)

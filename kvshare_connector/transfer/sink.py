@@ -153,6 +153,7 @@ class KVSink:
     def advance(self, spin_s: float = 0.0) -> None:
         """Move every read as far as it goes now (handshake, claim, READ, scatter); called
         when requests arrive too, so their claims are under way before the step ends."""
+        self.peers.pump()  # claims' answers that came in since the last call
         now = time.monotonic()
         deadline = now + spin_s
         for read in list(self._reads.values()):

@@ -28,6 +28,7 @@ from kvshare_connector.transfer.packing import Copy, Packer
 from kvshare_connector.transfer.probe import ProbeBuffer
 from kvshare_connector.transfer.settings import EngineSettings
 from kvshare_connector.transfer.side_channel import (
+    Answer,
     LogBudget,
     SideChannelServer,
     check_exposure,
@@ -81,7 +82,10 @@ class KVSource:
         shard: Shard | None = None,
         probe: ProbeBuffer | None = None,
         lane: LaneInfo | None = None,
+        inline_answers: bool = True,
     ):
+        """``inline_answers=False``: every answer takes the side channel's helper thread
+        (how claims were answered before; ``benchmarks/bench_claim_latency.py``)."""
         check_exposure(settings.host, settings.secret, settings.insecure)
         self.settings = settings
         self.engine_id = settings.engine_id
@@ -122,8 +126,9 @@ class KVSource:
         self._warned_unknown_blocks = False
         warn_if_no_secret(settings.secret)
         self.server = SideChannelServer(
-            settings.host, settings.port, self._answer, settings.secret, self.engine_id
-        )
+            settings.host, settings.port, self._answer, settings.secret, self.engine_id,
+            inline=inline_answers,
+        )  # fmt: skip
         self.host, self.port = settings.host, self.server.port
 
     def _probe_ref(
@@ -156,7 +161,9 @@ class KVSource:
         self._log.log(message)
         return protocol.encode(protocol.ErrorReply(message[: protocol.MAX_REASON_CHARS]))
 
-    def _answer(self, payload: bytes) -> bytes:
+    def _answer(self, payload: bytes) -> Answer:
+        """The reply, or (a claim whose gather or digests still run on the device) the
+        work that waits for them, which the server runs off its loop."""
         try:
             message = protocol.decode(payload)
         except protocol.ProtocolError as exc:
@@ -172,7 +179,7 @@ class KVSource:
         if too_big:
             return self._error(too_big)
         if isinstance(message, protocol.Claim):
-            return protocol.encode(self._claim(message))
+            return self._claim(message)
         if isinstance(message, protocol.Release):
             return protocol.encode(self._give_up(message))
         if message.expect_engine_id not in (None, self.engine_id):
@@ -182,7 +189,7 @@ class KVSource:
         self._info.log(f"handshake from engine {message.engine_id[:100]}")
         return self._reply
 
-    def _claim(self, claim: protocol.Claim) -> protocol.ClaimReply:
+    def _claim(self, claim: protocol.Claim) -> Answer:
         """Extend the leases of held requests for their one reader; say which are gone,
         which are refused (the rest: not yet held)."""
         hold_s = min(max(claim.hold_s, 0.0), max(self.lease_s, MAX_CLAIM_HOLD_S))
@@ -216,17 +223,24 @@ class KVSource:
                     packs[request_id] = record.packed
                 if claim.verify and record.digests is not None:
                     digests[request_id] = record.digests
-        packed = {}
-        for request_id, pack in packs.items():
-            pack.copy.wait()  # the gather runs on a side stream: done before decode reads
-            assert self.packer is not None
-            packed[request_id] = protocol.PackedRef(
-                self.packer.staging.addr + pack.slot, pack.nbytes, pack.device_id
-            )
-        reply = protocol.ClaimReply(held, gone, refused, packed, _digest_msgs(digests), ages)
-        if held:
-            failpoint("source.claim_answered")
-        return reply
+
+        def reply() -> bytes:
+            packed = {}
+            for request_id, pack in packs.items():
+                pack.copy.wait()  # the gather runs on a side stream: done before decode reads
+                assert self.packer is not None
+                packed[request_id] = protocol.PackedRef(
+                    self.packer.staging.addr + pack.slot, pack.nbytes, pack.device_id
+                )
+            answer = protocol.ClaimReply(held, gone, refused, packed, _digest_msgs(digests), ages)
+            if held:
+                failpoint("source.claim_answered")
+            return protocol.encode(answer)
+
+        waits = any(not p.copy.done() for p in packs.values()) or any(
+            not pending.ready() for _, pending in digests.values()
+        )  # done long before a claim comes, mostly: then it is answered at once
+        return reply if waits else reply()
 
     def _refusal(
         self, request_id: str, record: _Held, claim: protocol.Claim, token: str

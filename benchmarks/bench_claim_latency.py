@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""What one claim costs between two busy engines: decode's step boundary at which it leaves
+to the step boundary at which decode sees prefill's answer (issue 21: order -> claimed was
+48-55 ms p50 in GPU serving, for a READ of 0.1-0.2 ms).
+
+Both engine threads run Python without pause, as eager engines do: a prefill process
+(``devtools.attacks.TargetProcess``, a real ``KVSource`` holding requests, its engine thread
+holding the GIL and polling every ``--prefill-busy-ms``) and, here, a decode engine thread
+stepping every ``--step-ms``. Side by side, per round in rotated order:
+
+* decode asks on a helper thread (a connection per claim, as before) or over the ``Pipe``
+  its engine thread drives at step boundaries;
+* prefill answers on the side channel's helper thread (as before) or on its loop;
+* prefill's thread switch interval is Python's 5 ms or the nixl backend's 1 ms
+  (``switch_interval_ms``).
+
+    .venv/bin/python -m benchmarks.bench_claim_latency --rounds 3 --out results/cpu/DATE
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from kvshare_connector.devtools import attacks
+from kvshare_connector.transfer import protocol
+from kvshare_connector.transfer.side_channel_client import Pipe, ask_retrying
+
+SECRET = "bench secret"
+
+
+def _claim(target: attacks.TargetProcess) -> bytes:
+    rid = sorted(target.requests)[0]
+    message = protocol.Claim(
+        protocol.PROTOCOL_VERSION, "bench-decode", [rid], 30.0, token="bench-reader",
+        block_ids={rid: target.requests[rid]},
+    )  # fmt: skip
+    return protocol.encode(message)
+
+
+def measure(
+    target: attacks.TargetProcess, via_pipe: bool, claims: int, step_s: float
+) -> list[float]:
+    """Milliseconds from the step boundary a claim leaves at to the one its answer is seen
+    at, for ``claims`` claims one after the other, on a decode engine thread that runs
+    Python for ``step_s`` per step."""
+    payload = _claim(target)
+    pool = ThreadPoolExecutor(1)
+    pipe = Pipe("127.0.0.1", target.port, target.engine_id, 5.0, target.secret)
+
+    def send() -> Future[bytes]:
+        if via_pipe:
+            return pipe.send(payload)
+        return pool.submit(
+            ask_retrying, "127.0.0.1", target.port, payload, 5.0, target.secret,
+            target.engine_id,
+        )  # fmt: skip
+
+    out = []
+    try:
+        for _ in range(claims):
+            started = time.perf_counter()
+            future = send()
+            while True:
+                attacks._hold_gil(step_s)  # the step's forward
+                pipe.pump()  # the step boundary (``KVSink.advance``)
+                if future.done():
+                    break
+            reply = protocol.decode(future.result())
+            assert isinstance(reply, protocol.ClaimReply) and reply.held, reply
+            out.append((time.perf_counter() - started) * 1e3)
+    finally:
+        pipe.close()
+        pool.shutdown()
+    return out
+
+
+def _stats(ms: list[float]) -> dict[str, float]:
+    ms = sorted(ms)
+    return {
+        "p50": round(statistics.median(ms), 2),
+        "p90": round(ms[int(0.9 * (len(ms) - 1))], 2),
+        "p99": round(ms[int(0.99 * (len(ms) - 1))], 2),
+    }
+
+
+VARIANTS: dict[str, tuple[bool, bool, float]] = {
+    # name -> (decode via the pipe, prefill answers on its loop, prefill's switch interval)
+    "before: helper threads both sides": (False, False, 5.0),
+    "decode pipe": (True, False, 5.0),
+    "decode pipe, prefill loop": (True, True, 5.0),
+    "after: decode pipe, prefill loop, 1 ms switch": (True, True, 1.0),
+}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    targets = {
+        (inline, switch): attacks.TargetProcess(
+            SECRET, 2, pool=not inline, switch_interval_ms=switch
+        )  # idle but while measured: one busy prefill at a time on the machine's cores
+        for _, inline, switch in VARIANTS.values()
+    }
+    names = list(VARIANTS)
+    samples: dict[str, list[list[float]]] = {name: [] for name in names}
+    try:
+        for r in range(args.rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:  # rotated
+                via_pipe, inline, switch = VARIANTS[name]
+                target = targets[inline, switch]
+                target.busy(args.prefill_busy_ms)
+                try:
+                    ms = measure(target, via_pipe, args.claims, args.step_ms / 1e3)
+                finally:
+                    target.busy(0)
+                samples[name].append(ms)
+    finally:
+        for target in targets.values():
+            target.stop()
+    rows = []
+    for name in names:
+        per_round = [_stats(ms)["p50"] for ms in samples[name]]
+        rows.append({"variant": name, **_stats([x for ms in samples[name] for x in ms]),
+                     "round_p50s": per_round})  # fmt: skip
+    return {"settings": vars(args) | {"out": str(args.out)}, "rows": rows, "raw": samples}
+
+
+def table(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    lines = [
+        f"claims: {s['claims']} per variant and round, {s['rounds']} rounds (rotated); decode "
+        f"steps of {s['step_ms']} ms, prefill engine thread busy, polling every "
+        f"{s['prefill_busy_ms']} ms",
+        "",
+        "| variant | p50 ms | p90 ms | p99 ms | p50 per round |",
+        "|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        rounds = ", ".join(f"{x:g}" for x in r["round_p50s"])
+        lines.append(f"| {r['variant']} | {r['p50']} | {r['p90']} | {r['p99']} | {rounds} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--claims", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--step-ms", type=float, default=5.0, help="decode's step")
+    parser.add_argument("--prefill-busy-ms", type=float, default=20.0)
+    parser.add_argument("--out", type=Path, default=None, help="write table.md and raw.json")
+    args = parser.parse_args(argv)
+    result = run(args)
+    text = table(result)
+    out(text)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "claim_latency.md").write_text(text + "\n")
+        (args.out / "claim_latency.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
