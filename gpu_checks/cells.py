@@ -17,11 +17,13 @@ def cell_dir(out: Path, name: str) -> Path:
 
 
 def cell_env(cell: dict[str, Any]) -> dict[str, str]:
-    """The engines' environment: model runner (v1 unless the cell says v2) and kvcached."""
-    env = {
-        "VLLM_USE_V2_MODEL_RUNNER": "1" if cell.get("runner") == "v2" else "0",
-        "ENABLE_KVCACHED": "true" if cell.get("kvcached") else "false",
-    }
+    """The engines' environment: the model runner the cell names (``v1``/``v2``), v1 under
+    kvcached (0.1.6 refuses the V2 runner), else vLLM's own choice (0.33: V2 for these
+    models, 0.26: V1); and kvcached. Which runner ran is in each engine's record."""
+    env = {"ENABLE_KVCACHED": "true" if cell.get("kvcached") else "false"}
+    runner = cell.get("runner") or ("v1" if cell.get("kvcached") else None)
+    if runner is not None:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
     if cell.get("kvcached"):
         env["KVCACHED_CONTIGUOUS_LAYOUT"] = str(cell["kvcached"] == "contiguous").lower()
     return env

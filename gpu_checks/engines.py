@@ -88,3 +88,12 @@ def generate_tokens(
         ],
         "kv_transfer_params": [r.kv_transfer_params for r in results],
     }
+
+
+def engine_facts(llm: Any) -> dict[str, str]:
+    """Which vLLM and which model runner an engine runs (0.33 picks V2 by default)."""
+    import vllm
+
+    config = llm.llm_engine.vllm_config
+    v2 = bool(getattr(config, "use_v2_model_runner", False))
+    return {"vllm": vllm.__version__, "model_runner": "v2" if v2 else "v1"}

@@ -84,7 +84,7 @@ def prompts(batch: str, vocab: int) -> list[list[int]]:
 
 
 def engine_main(args: argparse.Namespace) -> None:
-    from gpu_checks.engines import start_engine
+    from gpu_checks.engines import engine_facts, start_engine
 
     work, weights = Path(args.work), Path(args.weights)
     cell = {**CELLS[args.cell], "verify": args.verify}
@@ -108,7 +108,7 @@ def engine_main(args: argparse.Namespace) -> None:
     llm, startup = start_engine(
         weights, args, kv_config, load_format="auto", max_model_len=4096, jit_monitor=False
     )
-    run_batches(llm, args, vocab, batches_of(cell), {"startup_s": startup})
+    run_batches(llm, args, vocab, batches_of(cell), {"startup_s": startup, **engine_facts(llm)})
 
 
 def probe_config(connector: str, role: str, extra: dict[str, Any]) -> dict[str, Any]:
@@ -268,6 +268,8 @@ def check_cell(work: Path, cell: dict[str, Any]) -> dict[str, Any]:
         "requests": requests,
         "problems": problems,
         **outputs_of(decode),
+        "vllm": decode.get("vllm"),
+        "model_runner": decode.get("model_runner"),
         "verified_loads": len(verified),
         "verified_layer_blocks": sum(r["verified"] for r in verified),
         "tamper_refused": sum("VerificationError" in r.get("failed", "") for r in tampered),
@@ -351,8 +353,8 @@ def summary(results: list[dict[str, Any]]) -> str:
     lines = [
         "| cell | rc p/d | requests | layer-blocks compared | MiB compared | mismatches "
         "| sharer checks (bad) | control mismatches | first control locations "
-        "| verify_kv: loads verified / tampered refused | verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| verify_kv: loads verified / tampered refused | vLLM, runner | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for res in results:
         main = [r for r in res["requests"] if r["batch"] == "main"]
@@ -366,7 +368,8 @@ def summary(results: list[dict[str, Any]]) -> str:
             f"| {sum(r['bytes_compared'] for r in main) / 2**20:.1f} "
             f"| {sum(r['mismatches'] for r in main)} | {sharers} ({bad_sharers}) "
             f"| {sum(r['mismatches'] for r in ctl)} | {'; '.join(where) or '-'} "
-            f"| {verify_column(res)} | {'PASS' if passed(res) else 'FAIL'} |"
+            f"| {verify_column(res)} | {res.get('vllm', '?')}, {res.get('model_runner', '?')} "
+            f"| {'PASS' if passed(res) else 'FAIL'} |"
         )
     for res in results:
         for problem in res["problems"][:10]:

@@ -19,10 +19,21 @@
 #            .before/, carried: git archive <commit> kvshare_connector | tar -x -C .before),
 #            NixlConnector and colocated, all up at once; 2k and 8k x concurrency 1 and 16,
 #            3 rotated rounds; eager engines (no CUDA graphs: no torch.compile in the lease)
+#
+# STACK=033 runs the steps on vLLM 0.33.0 (after bash scripts/gpu/install033.sh) with its
+# default model runner (V2) and FlashInfer's sampler off (it JIT-builds on first use, minutes
+# of device time, and samples nothing the KV depends on); KVX_CELLS names kv_exact's cells.
 set -u
 OUT=${OUT:?set OUT}
 mkdir -p "$OUT"
-. .gpu/bin/env.sh
+if [ "${STACK:-026}" = 033 ]; then
+  . scripts/gpu/env033.sh
+  export VLLM_USE_FLASHINFER_SAMPLER=0
+else
+  . .gpu/bin/env.sh
+fi
+python3 -c 'import vllm, torch; print("vLLM", vllm.__version__, "torch", torch.__version__)' \
+  > "$OUT/stack.txt" 2>&1
 unset UCX_CUDA_IPC_ENABLE_GET_ZCOPY UCX_RMA_PPLN_ENABLE
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 WEIGHTS=/tmp/kvshare-weights
@@ -62,8 +73,9 @@ for step in "$@"; do
       ;;
     kvx)
       weights
-      python3 -m gpu_checks.kv_exact run --out "$OUT/kvx" --cells e2b/plain --gpus 1 \
-        --verify --timeout 420 > "$OUT/kvx.log" 2>&1
+      # shellcheck disable=SC2086
+      python3 -m gpu_checks.kv_exact run --out "$OUT/kvx" --cells ${KVX_CELLS:-e2b/plain} \
+        --gpus 1 --verify --timeout 420 > "$OUT/kvx.log" 2>&1
       echo "kvx: exit $?"
       ;;
     serve)
