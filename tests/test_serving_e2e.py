@@ -217,6 +217,21 @@ def test_fault_stop_prefill_then_resume(tmp_path: Path, monkeypatch: Any, stop_s
 
 
 @pytest.mark.slow
+def test_fault_flood_prefill_side_channel(tmp_path: Path, monkeypatch: Any) -> None:
+    """A client without the secret floods prefill's side channel (the fake prefill has none:
+    every flood request finds the port closed); no restart, the run goes on."""
+    rc, summary, _ = _faults(tmp_path, monkeypatch, "--fault-action", "flood",
+                             "--stop-seconds", "1")  # fmt: skip
+    events = _events(summary)
+    order = ["load start", "fault", "victim resumed"]
+    assert [e for e in events if e in order] == order and "victim restarted" not in events
+    assert summary["fault"]["how"].startswith("side-channel flood on port ")
+    flood = next(e for e in summary["events"] if e["event"] == "flood ended")
+    assert sum(flood["answers"].values()) > 0 and "ok" not in flood["answers"]
+    assert rc == 0, summary["verdicts"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("lease", [True, False])
 def test_fault_decode_exits_prefill_lease_frees(tmp_path: Path, monkeypatch: Any,
                                                 lease: bool) -> None:  # fmt: skip

@@ -214,7 +214,7 @@ def test_counter_total_sums_across_restarts() -> None:
 def test_fault_matrix_cases_commands_and_table(tmp_path: Path) -> None:
     cases = fault_matrix.pick(None)
     assert [c.name for c in cases] == ["prefill_claim", "decode_read", "prefill_stop",
-                                       "prefill_release"]  # fmt: skip
+                                       "prefill_release", "prefill_flood"]  # fmt: skip
     assert fault_matrix.pick(["b", "prefill_stop"]) == [cases[1], cases[2]]
     with pytest.raises(SystemExit):
         fault_matrix.pick(["z"])
@@ -222,7 +222,8 @@ def test_fault_matrix_cases_commands_and_table(tmp_path: Path) -> None:
              for i, c in enumerate(cases)]  # fmt: skip
     ports = {a[a.index("--base-port") + 1] for a in argvs}
     sides = {a[a.index("--side-channel-port") + 1] for a in argvs}
-    assert len(ports) == len(sides) == 4
+    assert len(ports) == len(sides) == 5
+    assert argvs[4][argvs[4].index("--fault-action") + 1] == "flood"
     outs = [a[a.index("--out") + 1] for a in argvs]
     assert outs == [str(tmp_path / c.name) for c in cases]
     assert argvs[1][argvs[1].index("--extra-config") + 1] == '{"kv_lease_duration": 15}'

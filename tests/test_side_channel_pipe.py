@@ -176,3 +176,29 @@ def test_close_cancels_what_is_pending(echo):
     future = pipe.send(b"slow one")
     pipe.close()
     assert future.cancelled()
+
+
+def test_claims_over_the_pipe_are_answered_during_a_flood_without_the_secret():
+    """``devtools.attacks.flood`` (the fault matrix's case e): every flood request is refused,
+    and the decode's signed requests over its pipe are all answered meanwhile."""
+    from kvshare_connector.devtools.attacks import flood
+
+    server = _server(lambda p: b"re: " + p)
+    try:
+        codes: dict[str, int] = {}
+        flooder = threading.Thread(target=lambda: codes.update(flood(server.port, 1.5)))
+        flooder.start()
+        pipe = Pipe("127.0.0.1", server.port, ENGINE, 5.0, SECRET)
+        answered = []
+        while flooder.is_alive():
+            future = pipe.send(b"claim")
+            _settle(pipe, [future])
+            answered.append(future.result())
+        flooder.join()
+        pipe.close()
+        assert sum(codes.values()) > 10 and "ok" not in codes, codes
+        assert set(codes) <= {"misaddressed", "busy", "overloaded", "closed"}, codes
+        assert answered and set(answered) == {b"re: claim"}
+        assert server.refused.get("misaddressed", 0) > 0
+    finally:
+        server.close()

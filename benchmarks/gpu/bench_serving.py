@@ -243,10 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--fault-rate", type=float, default=4.0, help="requests/s offered")
     f.add_argument("--load-seconds", type=float, default=60.0, help="length of the offered load")
     f.add_argument("--fault-victim", choices=["prefill", "decode"], default="prefill")
-    f.add_argument("--fault-action", choices=["kill", "stop"], default="kill",
+    f.add_argument("--fault-action", choices=["kill", "stop", "flood"], default="kill",
                    help="kill: the victim dies (at --fault-point, else SIGKILL at "
                         "--kill-after) and is restarted; stop: SIGSTOP at --kill-after, "
-                        "SIGCONT --stop-seconds later")  # fmt: skip
+                        "SIGCONT --stop-seconds later; flood: a client without the secret "
+                        "floods prefill's side channel for --stop-seconds")  # fmt: skip
     f.add_argument("--fault-point", choices=sorted(FAILPOINTS), default=None,
                    help="kill: the victim exits at this failpoint (KVSHARE_FAILPOINTS)")
     f.add_argument("--fault-skip", type=int, default=None,
@@ -278,8 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.out or not (args.model_dir or args.make_weights):
         build_parser().error("--out and --model-dir (or --make-weights) are required")
-    if args.fault_point and args.fault_action == "stop":
+    if args.fault_point and args.fault_action != "kill":
         build_parser().error("--fault-point goes with --fault-action kill (the point exits)")
+    if args.fault_action == "flood" and args.fault_victim != "prefill":
+        build_parser().error("--fault-action flood floods prefill's side channel")
     apply_mode_defaults(args)
     if not args.server_cmd:
         why = has_cuda()

@@ -57,6 +57,8 @@ CASES = {
               ["--fault-victim", "prefill", "--fault-action", "stop", "--stop-seconds", "25"]),
     "d": Case("prefill_release", "prefill", "failpoint source.before_release",
               ["--fault-victim", "prefill", "--fault-point", "source.before_release"]),
+    "e": Case("prefill_flood", "prefill", "side-channel flood without the secret",
+              ["--fault-victim", "prefill", "--fault-action", "flood", "--stop-seconds", "15"]),
 }  # fmt: skip
 #: Every case: one GPU, engines started at once (fixed KV size), eager, a short load;
 #: 64 sequences at most (vLLM's default 1,024 makes its sampler warm-up take ~17 GiB per

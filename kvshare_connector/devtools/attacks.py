@@ -361,6 +361,41 @@ def attack_hello_flood(target: TargetProcess, rounds: int, connections: int = 4)
     return _flood(target.port, frame, rounds, connections)
 
 
+def flood(port: int, seconds: float, connections: int = 4) -> collections.Counter[str]:
+    """What a client without the secret can send a live prefill on 127.0.0.1:``port`` for
+    ``seconds``: handshakes and 100k-id claims signed with a wrong secret, from
+    ``connections`` threads as fast as answered; the answers' codes (``closed``: none)."""
+    hello = protocol.Hello(protocol.PROTOCOL_VERSION, "flood")
+    claim = protocol.Claim(
+        protocol.PROTOCOL_VERSION, "flood", ["x" * 64], 30.0, token="t" * 32,
+        block_ids={"x" * 64: [list(range(1, 100_001))]},
+    )  # fmt: skip
+    where = side_channel.destination("", "127.0.0.1", port)
+    frames = [
+        side_channel.encode_request(protocol.encode(m), where, b"not the secret")[0]
+        for m in (hello, claim)
+    ]
+    codes: collections.Counter[str] = collections.Counter()
+    end = time.monotonic() + seconds
+
+    def one(offset: int) -> None:
+        i = offset
+        while time.monotonic() < end:
+            try:
+                code = _code(exchange(port, frames[i % 2], timeout_s=2.0)) or "closed"
+            except OSError as exc:
+                code = type(exc).__name__
+            codes[code] += 1
+            i += 1
+
+    workers = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(connections)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(seconds + 10)
+    return codes
+
+
 def attack_odd_messages(target: TargetProcess, name: str) -> list[str]:
     """Signed but wrong: deep nesting, another protocol version, a reply type, a claim with
     no block ids and one with a subset of held request ``name``'s."""

@@ -126,7 +126,7 @@ def verdicts(data: dict[str, Any], requests: list[dict[str, Any]],
     verified = sum(engine_counter(data, d, "verified_loads_total") for d in decodes)
     wrong_out = mismatches(data.get("reference_records") or [], data.get("after_records") or [])
     usage = data.get("usage_after_drain") or {}
-    back = "victim resumed" if f["action"] == "stop" else "victim restarted"
+    back = "victim resumed" if f["action"] in ("stop", "flood") else "victim restarted"
 
     def series(d: dict[str, float]) -> dict[str, float]:
         return {k.removeprefix("vllm:kvshare_"): v for k, v in d.items()
@@ -177,7 +177,7 @@ def measured(data: dict[str, Any], result: dict[str, Any] | None,
     """The numbers the fault matrix tabulates per case."""
     events, f = data["events"], data["fault"]
     fault = at(events, "fault")
-    back = at(events, "victim resumed" if f["action"] == "stop" else "victim restarted")
+    back = at(events, "victim resumed" if f["action"] in ("stop", "flood") else "victim restarted")
     healthy = at(events, "victim rejoined")
     good = first_good(data, requests, back) if back else None
     decodes = [n for n, r in f["roles"].items() if r == "decode"]

@@ -12,6 +12,9 @@ How the fault lands (``--fault-action``, ``--fault-point``):
 * ``kill`` without a point: SIGKILL at ``--kill-after`` s of wall clock, then restarted.
 * ``stop``: the victim's process group SIGSTOPped at ``--kill-after`` for
   ``--stop-seconds`` (longer than the handshake timeout), then SIGCONT; no restart.
+* ``flood`` (prefill): from ``--kill-after`` for ``--stop-seconds``, a client without the
+  secret floods the victim's side channel (``devtools.attacks.flood``) while decode claims
+  through it; no restart.
 
 Timeline (every ``--sample-interval`` s): each engine's ``/health`` and metrics, one probe
 per second through the front and one plain request per second straight to the survivor,
@@ -37,6 +40,7 @@ from benchmarks.gpu.serving.deployments import Planned
 from benchmarks.gpu.serving.fault_report import markdown, summarize
 from benchmarks.gpu.serving.runs import Runner
 from kvshare_connector.common import failpoints
+from kvshare_connector.devtools import attacks
 from kvshare_connector.toolkit.procs import ManagedProcess
 
 FIRE_GRACE_S = 30.0  # a failpoint not fired by --kill-after + this: SIGKILL instead
@@ -208,12 +212,20 @@ class FaultRun:
             return None
         if now < a.kill_after:
             return None
+        if a.fault_action == "flood":
+            port = int(victim.env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+            threading.Thread(target=self._flood, args=(port,), daemon=True).start()
+            return {**info, "how": f"side-channel flood on port {port}", "fired": True}
         stale = self._prefill_only(victim.url) if victim.role == "prefill" else None
         stop = a.fault_action == "stop"
         proc.signal_group(signal.SIGSTOP if stop else signal.SIGKILL)
         if victim.role == "prefill":
             threading.Thread(target=self._stale_load, args=(stale,), daemon=True).start()
         return {**info, "how": "SIGSTOP" if stop else "SIGKILL", "fired": True}
+
+    def _flood(self, port: int) -> None:
+        codes = attacks.flood(port, self.args.stop_seconds)
+        self.event("flood ended", answers=dict(codes))
 
     def run(self) -> dict[str, Any]:
         a, runner, p = self.args, self.runner, self.p
@@ -254,9 +266,10 @@ class FaultRun:
                     if what is not None:
                         fault, fired = mono, what["fired"]
                         self.event("fault", **what)
-                elif back is None and a.fault_action == "stop":
+                elif back is None and a.fault_action in ("stop", "flood"):
                     if mono - fault >= a.stop_seconds:
-                        proc.signal_group(signal.SIGCONT)
+                        if a.fault_action == "stop":
+                            proc.signal_group(signal.SIGCONT)
                         back = mono
                         self.event("victim resumed", engine=victim.name)
                 elif back is None and mono - fault >= a.restart_after:
