@@ -137,7 +137,12 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.start_load_kv(metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads finish before a request is scheduled (async pull), not per layer."""
+        """Loads finish before a request is scheduled (async pull), not per layer. vLLM
+        calls this at every attention layer of an eager or piecewise-graph forward: the
+        reads in flight are taken further meanwhile (a claim answered or a READ done during
+        the forward is not left for the step's end)."""
+        if self.worker is not None:
+            self.worker.nudge()
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: AttentionMetadata, **kwargs: Any

@@ -238,6 +238,11 @@ class WorkerBackend(ABC):
         """Requests still being loaded."""
         return set()
 
+    def nudge(self) -> None:
+        """Called inside the forward, at every attention layer: take transfers in flight
+        further if that is cheap (never waits, never raises). Default: nothing."""
+        return None
+
     @abstractmethod
     def close(self) -> None: ...
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 import sys
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from kvshare_connector.transfer.nixl import NixlTransport
 from kvshare_connector.transfer.packing import MemoryMap, Packer, StagingArea
 from kvshare_connector.transfer.probe import ProbeBuffer
 from kvshare_connector.transfer.shards import ShardedSink, rank_shard
+from kvshare_connector.transfer.side_channel import LogBudget
 from kvshare_connector.transfer.source import KVSource
 
 if TYPE_CHECKING:
@@ -85,6 +87,8 @@ class NixlWorker(WorkerBackend):
         self.source: KVSource | None = None
         self.sink: ShardedSink | None = None
         self._releasing: set[str] = set()  # release-only orders still under way
+        self._nudged = 0.0
+        self._nudge_log = LogBudget(5, 60.0)
 
     def start(self, topology: KVTopology, tensors: KVTensors) -> str:
         c, o = self.context, self.context.options
@@ -221,11 +225,34 @@ class NixlWorker(WorkerBackend):
     def in_flight(self) -> set[str]:
         return self.sink.in_flight - self._releasing if self.sink is not None else set()
 
+    def nudge(self) -> None:
+        """Advance the reads in flight from inside the forward, at most every
+        ``layer_nudge_ms``: a claim answered or a READ done mid-step is taken further
+        now, so its request can be reported at this step's end instead of steps later."""
+        sink, every = self.sink, self.context.options.layer_nudge_ms / 1e3
+        if sink is None or not every or not sink.reading:
+            return
+        now = time.monotonic()
+        if now - self._nudged < every or _capturing():
+            return
+        self._nudged = now
+        try:
+            sink.advance()
+        except Exception as exc:  # never fail the forward: the step's end tries again
+            self._nudge_log.log(f"advancing reads inside the forward: {exc!r}")
+
     def close(self) -> None:
         if self.source is not None:
             self.source.close()
         if self.sink is not None:
             self.sink.close()
+
+
+def _capturing() -> bool:
+    """A CUDA graph is being captured on this thread's stream: nothing may be launched."""
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _shorten_switch_interval(ms: float) -> None:

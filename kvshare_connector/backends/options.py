@@ -73,6 +73,9 @@ class ConnectorOptions:
                                         "the engine process (its 5 ms default is what a "
                                         "claim waits for the GIL behind the engine thread); "
                                         "0: leave Python's.", "KVSHARE_SWITCH_INTERVAL_MS")
+    layer_nudge_ms: float = _option(2.0, "Decode: while reads are in flight, advance them "
+                                    "from inside the forward (vLLM's per-layer hook) at "
+                                    "most this often; 0: only at step boundaries.")
     read_log: str | None = _option(None, "A path: decode appends one JSON line per finished "
                                    "read (bytes, descriptors, phase timeline).")
     lmcache: Mapping[str, Any] = _option(None, "The LMCache backend's own options "
@@ -176,7 +179,8 @@ def _convert(name: str, raw: Any, source: str) -> Any:
         return _flag(raw, source)
     if name in ("cross_layer_blocks", "verify_kv"):
         return None if raw is None else _flag(raw, source)
-    if name in _POSITIVE or name in ("staging_mib", "lane_probe_mib", "switch_interval_ms"):
+    if name in _POSITIVE or name in ("staging_mib", "lane_probe_mib", "switch_interval_ms",
+                                     "layer_nudge_ms"):
         return _number(raw, source, positive=name in _POSITIVE)
     if name in _CHOICES:
         if raw not in _CHOICES[name]:

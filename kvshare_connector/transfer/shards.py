@@ -97,6 +97,10 @@ class ShardedSink:
     def advance(self, spin_s: float = 0.0) -> None:
         self.sink.advance(spin_s)
 
+    @property
+    def reading(self) -> bool:
+        return self.sink.reading
+
     def close(self) -> None:
         self.sink.close()
 

@@ -123,6 +123,11 @@ class KVSink:
     def in_flight(self) -> set[str]:
         return set(self._reads) | set(self._draining)
 
+    @property
+    def reading(self) -> bool:
+        """Reads are under way (cheaper than ``in_flight``: asked at every layer)."""
+        return bool(self._reads)
+
     def poll(self, spin_s: float = SPIN_S) -> tuple[set[str], dict[str, str]]:
         """Advance every read: ``(done, {failed request id: reason})``, including what an
         ``advance`` since the last poll finished.

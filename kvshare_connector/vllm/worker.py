@@ -130,6 +130,11 @@ class KVShareWorker:
         if metadata.to_store:
             self.stats.count("sent", self.backend.save(metadata.to_store))
 
+    def nudge(self) -> None:
+        """From inside the forward (``KVShareConnector.wait_for_layer_load``)."""
+        if not self._asleep:
+            self.backend.nudge()
+
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         progress = WorkerProgress() if self._asleep else self.backend.poll()
         self.stats.count("sent", len(progress.sent))
