@@ -12,7 +12,9 @@ stepping every ``--step-ms``. Side by side, per round in rotated order:
   its engine thread drives at step boundaries;
 * prefill answers on the side channel's helper thread (as before) or on its loop;
 * prefill's thread switch interval is Python's 5 ms or the nixl backend's 1 ms
-  (``switch_interval_ms``).
+  (``switch_interval_ms``);
+* decode looks for the answer at step boundaries only, or also from inside the step every
+  ``layer_nudge_ms`` (vLLM's per-layer hook, ``NixlWorker.nudge``).
 
     .venv/bin/python -m benchmarks.bench_claim_latency --rounds 3 --out results/cpu/DATE
 """
@@ -45,11 +47,12 @@ def _claim(target: attacks.TargetProcess) -> bytes:
 
 
 def measure(
-    target: attacks.TargetProcess, via_pipe: bool, claims: int, step_s: float
+    target: attacks.TargetProcess, via_pipe: bool, claims: int, step_s: float, nudge_s: float
 ) -> list[float]:
-    """Milliseconds from the step boundary a claim leaves at to the one its answer is seen
-    at, for ``claims`` claims one after the other, on a decode engine thread that runs
-    Python for ``step_s`` per step."""
+    """Milliseconds from the step boundary a claim leaves at to the moment decode's engine
+    thread sees its answer, for ``claims`` claims one after the other, on an engine thread
+    that runs Python for ``step_s`` per step and looks at step boundaries, and every
+    ``nudge_s`` inside the step too (0: not)."""
     payload = _claim(target)
     pool = ThreadPoolExecutor(1)
     pipe = Pipe("127.0.0.1", target.port, target.engine_id, 5.0, target.secret)
@@ -67,11 +70,13 @@ def measure(
         for _ in range(claims):
             started = time.perf_counter()
             future = send()
-            while True:
-                attacks._hold_gil(step_s)  # the step's forward
+            while not future.done():
+                step_end = time.perf_counter() + step_s
+                while not future.done() and time.perf_counter() < step_end:  # the forward
+                    attacks._hold_gil(min(nudge_s or step_s, step_end - time.perf_counter()))
+                    if nudge_s:
+                        pipe.pump()  # a layer's hook
                 pipe.pump()  # the step boundary (``KVSink.advance``)
-                if future.done():
-                    break
             reply = protocol.decode(future.result())
             assert isinstance(reply, protocol.ClaimReply) and reply.held, reply
             out.append((time.perf_counter() - started) * 1e3)
@@ -90,12 +95,14 @@ def _stats(ms: list[float]) -> dict[str, float]:
     }
 
 
-VARIANTS: dict[str, tuple[bool, bool, float]] = {
-    # name -> (decode via the pipe, prefill answers on its loop, prefill's switch interval)
-    "before: helper threads both sides": (False, False, 5.0),
-    "decode pipe": (True, False, 5.0),
-    "decode pipe, prefill loop": (True, True, 5.0),
-    "after: decode pipe, prefill loop, 1 ms switch": (True, True, 1.0),
+VARIANTS: dict[str, tuple[bool, bool, float, float]] = {
+    # name -> (decode via the pipe, prefill answers on its loop, prefill's switch interval
+    # ms, decode's nudges inside the step every ms (0: none))
+    "before: helper threads both sides": (False, False, 5.0, 0.0),
+    "decode pipe": (True, False, 5.0, 0.0),
+    "decode pipe, prefill loop": (True, True, 5.0, 0.0),
+    "decode pipe, prefill loop, 1 ms switch": (True, True, 1.0, 0.0),
+    "after: the same, nudged every 2 ms inside the step": (True, True, 1.0, 2.0),
 }
 
 
@@ -104,18 +111,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         (inline, switch): attacks.TargetProcess(
             SECRET, 2, pool=not inline, switch_interval_ms=switch
         )  # idle but while measured: one busy prefill at a time on the machine's cores
-        for _, inline, switch in VARIANTS.values()
+        for _, inline, switch, _ in VARIANTS.values()
     }
     names = list(VARIANTS)
     samples: dict[str, list[list[float]]] = {name: [] for name in names}
     try:
         for r in range(args.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:  # rotated
-                via_pipe, inline, switch = VARIANTS[name]
+                via_pipe, inline, switch, nudge = VARIANTS[name]
                 target = targets[inline, switch]
                 target.busy(args.prefill_busy_ms)
                 try:
-                    ms = measure(target, via_pipe, args.claims, args.step_ms / 1e3)
+                    ms = measure(target, via_pipe, args.claims, args.step_ms / 1e3, nudge / 1e3)
                 finally:
                     target.busy(0)
                 samples[name].append(ms)
