@@ -289,12 +289,22 @@ def batch_problems(
         if got != len(PROMPT_LENS):
             problems.append(f"{kind}: {got} of {len(PROMPT_LENS)} requests compared")
     for kind in batches:
-        for params in decode.get(kind, {}).get("kv_transfer_params", []):
+        out = decode.get(kind, {})
+        tokens = out.get("tokens", [])
+        for i, params in enumerate(out.get("kv_transfer_params", [])):
             error = (params or {}).get("kv_load_error")
             if kind != "tamper" and error:
                 problems.append(f"{kind}: kv_load_error {error}")
             elif kind == "tamper" and "VerificationError" not in (error or ""):
-                problems.append(f"tamper: no VerificationError returned ({error})")
+                # vLLM 0.33 under kv_load_failure_policy "fail" ends the request with no
+                # output and no kv_transfer_params: refused too, if nothing was generated
+                # (decode.jsonl's records must still name the VerificationError)
+                generated = len(tokens[i]) if i < len(tokens) else 0
+                if generated or error:
+                    problems.append(
+                        f"tamper: {generated} token(s) generated, no VerificationError "
+                        f"returned ({error})"
+                    )
     return problems
 
 

@@ -56,6 +56,22 @@ def test_verify_mode_fails_a_cell_whose_tampered_load_was_accepted(cell):
     assert any("load was not refused" in p for p in problems)
 
 
+@pytest.mark.parametrize("generated", [0, 3])
+def test_a_tampered_load_ended_without_output_counts_as_refused(cell, generated):
+    """vLLM 0.33 under kv_load_failure_policy "fail" ends the refused request with no output
+    and no kv_transfer_params; that is a refusal, but a tampered request that generated
+    tokens without a VerificationError is not (decode ran on KV it did not verify)."""
+    result = json.loads((cell / "decode.result.json").read_text())
+    n = len(kv_exact.PROMPT_LENS)
+    result["tamper"] = {"kv_transfer_params": [None] * n, "tokens": [[1] * generated] * n}
+    (cell / "decode.result.json").write_text(json.dumps(result))
+    problems = kv_exact.check_cell(cell, CELL)["problems"]
+    if generated:
+        assert sum("3 token(s) generated, no VerificationError" in p for p in problems) == n
+    else:
+        assert problems == []
+
+
 def test_verify_mode_fails_a_cell_with_an_unverified_load(cell):
     lines = (cell / "decode.read_log.jsonl").read_text().splitlines()
     (cell / "decode.read_log.jsonl").write_text("\n".join(lines[1:]) + "\n")

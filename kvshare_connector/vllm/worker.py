@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -94,7 +95,7 @@ class KVShareWorker:
         logger.info(
             "KVShareConnector %s (%s, %s layout, backend %s): %s in %.2f s from %d tensor(s) "
             "handed over; %d sharing layer(s) not registered (they read their target's KV: "
-            "%s); %d KV cache group(s)",
+            "%s); %d KV cache group(s); code from %s",
             self.context.engine_id,
             self.context.role,
             topology.layout,
@@ -105,6 +106,7 @@ class KVShareWorker:
             len(topology.sharers),
             _short_map(topology.sharers),
             len(topology.groups),
+            _PACKAGE_DIR,  # which tree runs (a side-by-side "before" must say so)
         )
 
     # -- every step ------------------------------------------------------------------------
@@ -228,6 +230,9 @@ class KVShareWorker:
     def shutdown(self) -> None:
         if not self._asleep:
             self.backend.close()
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _short_map(sharers: dict[str, str], limit: int = 3) -> str:
