@@ -482,3 +482,26 @@ def test_write_atomic_replaces_whole_and_leaves_no_temporary(tmp_path: Path) -> 
     write_atomic(path, '{"b": 2}')
     assert json.loads(path.read_text()) == {"b": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["ready.json"]
+
+
+def test_a_child_environment_keeps_the_callers_pythonpath_first(monkeypatch, tmp_path):
+    """A side-by-side "before" deployment puts an earlier tree first on PYTHONPATH; the
+    launcher adds this checkout after it, never in front (it did, and "before" ran this
+    code). Checked by importing the package in a child, as the engines do."""
+    import subprocess
+    import sys
+
+    from kvshare_connector.toolkit.launcher import _child_env
+
+    before = tmp_path / "before" / "kvshare_connector"
+    before.mkdir(parents=True)
+    (before / "__init__.py").write_text("TREE = 'before'\n")
+    monkeypatch.setenv("PYTHONPATH", "")
+    env = _child_env({"PYTHONPATH": str(tmp_path / "before"), "PYTHONSAFEPATH": "1"})
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path / "before")
+    code = "import kvshare_connector as k; print(getattr(k, 'TREE', k.__file__))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=tmp_path, check=True)  # fmt: skip
+    assert out.stdout.strip() == "before"
+    plain = _child_env({})  # no PYTHONPATH given: this checkout is importable
+    assert plain["PYTHONPATH"].split(os.pathsep)[-1] == str(ROOT)

@@ -83,7 +83,9 @@ for step in "$@"; do
       before=()
       if [ -d .before/kvshare_connector ]; then
         # PYTHONSAFEPATH: `python -m` would put the working directory (this tree) first on
-        # sys.path, ahead of PYTHONPATH; on 2026-12-03 that made ours-before run this tree.
+        # sys.path, ahead of PYTHONPATH. The launcher appends this checkout after the given
+        # PYTHONPATH (it put it first until 2026-12-03b: ours-before ran this tree twice);
+        # each engine's start line names the directory its connector code came from.
         before=(before='{"verify_kv":false}' --variant-env
           "ours-before:PYTHONPATH=$PWD/.before:$PYTHONPATH" "ours-before:PYTHONSAFEPATH=1")
       fi

@@ -352,9 +352,11 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
     env = dict(os.environ)
     env.update(extra)
     # The proxy runs as `python -m kvshare_connector.toolkit.cli`: make the package importable even
-    # when it is used from a checkout rather than installed.
+    # when it is used from a checkout rather than installed. Appended, so that a PYTHONPATH the
+    # caller gave wins: put first, this tree shadowed the earlier tree of a side-by-side
+    # "before" deployment (fast_lane.sh serve), which then ran this code (2026-12-03, twice).
     root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
     return env
 
 
