@@ -163,11 +163,6 @@ class Pipe:
         self._in = bytearray()
         self._pending: deque[_Pending] = deque()
 
-    @property
-    def busy(self) -> bool:
-        """Requests are waiting for their replies."""
-        return bool(self._pending)
-
     def send(self, payload: bytes) -> Future[bytes]:
         """Queue ``payload`` as a signed request; its future gets the answer (or why not)."""
         future: Future[bytes] = Future()  # pending until settled (``close`` cancels it)
