@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> i
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--step-ms", type=float, default=5.0, help="decode's step")
     parser.add_argument("--prefill-busy-ms", type=float, default=20.0)
-    parser.add_argument("--out", type=Path, default=None, help="write table.md and raw.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write claim_latency.md and claim_latency.json there")
     args = parser.parse_args(argv)
     result = run(args)
     text = table(result)
