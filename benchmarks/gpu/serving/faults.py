@@ -120,6 +120,7 @@ class FaultRun:
         self.probes: list[dict[str, Any]] = []
         self.survivor_probes: list[dict[str, Any]] = []  # plain requests, no KV params
         self.stale: dict[str, Any] = {}
+        self.resumed: float | None = None  # monotonic time of the SIGCONT (action stop)
         self.events: list[dict[str, Any]] = []
         self.stop = threading.Event()
         self._log_offset = 0
@@ -219,9 +220,18 @@ class FaultRun:
         stale = self._prefill_only(victim.url) if victim.role == "prefill" else None
         stop = a.fault_action == "stop"
         proc.signal_group(signal.SIGSTOP if stop else signal.SIGKILL)
+        if stop:  # on a timer: sampling the stopped victim blocks the loop for seconds
+            timer = threading.Timer(a.stop_seconds, self._resume, args=(proc,))
+            timer.daemon = True
+            timer.start()
         if victim.role == "prefill":
             threading.Thread(target=self._stale_load, args=(stale,), daemon=True).start()
         return {**info, "how": "SIGSTOP" if stop else "SIGKILL", "fired": True}
+
+    def _resume(self, proc: ManagedProcess) -> None:
+        proc.signal_group(signal.SIGCONT)
+        self.resumed = time.monotonic()
+        self.event("victim resumed", engine=self.victim.name)
 
     def _flood(self, port: int) -> None:
         codes = attacks.flood(port, self.args.stop_seconds)
@@ -266,10 +276,10 @@ class FaultRun:
                     if what is not None:
                         fault, fired = mono, what["fired"]
                         self.event("fault", **what)
-                elif back is None and a.fault_action in ("stop", "flood"):
+                elif back is None and a.fault_action == "stop":
+                    back = self.resumed  # set by the timer _fault started
+                elif back is None and a.fault_action == "flood":
                     if mono - fault >= a.stop_seconds:
-                        if a.fault_action == "stop":
-                            proc.signal_group(signal.SIGCONT)
                         back = mono
                         self.event("victim resumed", engine=victim.name)
                 elif back is None and mono - fault >= a.restart_after:
