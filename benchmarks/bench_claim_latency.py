@@ -14,7 +14,10 @@ stepping every ``--step-ms``. Side by side, per round in rotated order:
 * prefill's thread switch interval is Python's 5 ms or the nixl backend's 1 ms
   (``switch_interval_ms``);
 * decode looks for the answer at step boundaries only, or also from inside the step every
-  ``layer_nudge_ms`` (vLLM's per-layer hook, ``NixlWorker.nudge``).
+  ``layer_nudge_ms`` (vLLM's per-layer hook, ``NixlWorker.nudge``);
+* ``--neighbours`` other engines' NIXL agents on the same cores, their progress threads
+  spinning (NIXL's Python API: poll delay 0) or sleeping on UCX's events
+  (``nixl_progress_poll_ms``, 1 ms): on the GPU host 9 engines spun 9 of 16 cores.
 
     .venv/bin/python -m benchmarks.bench_claim_latency --rounds 3 --out results/cpu/DATE
 """
@@ -23,10 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -95,15 +102,49 @@ def _stats(ms: list[float]) -> dict[str, float]:
     }
 
 
-VARIANTS: dict[str, tuple[bool, bool, float, float]] = {
+VARIANTS: dict[str, tuple[bool, bool, float, float, float | None]] = {
     # name -> (decode via the pipe, prefill answers on its loop, prefill's switch interval
-    # ms, decode's nudges inside the step every ms (0: none))
-    "before: helper threads both sides": (False, False, 5.0, 0.0),
-    "decode pipe": (True, False, 5.0, 0.0),
-    "decode pipe, prefill loop": (True, True, 5.0, 0.0),
-    "decode pipe, prefill loop, 1 ms switch": (True, True, 1.0, 0.0),
-    "after: the same, nudged every 2 ms inside the step": (True, True, 1.0, 2.0),
+    # ms, decode's nudges inside the step every ms (0: none), the neighbour agents'
+    # progress poll ms (None: no neighbours; 0: they spin))
+    "before: helper threads both sides": (False, False, 5.0, 0.0, None),
+    "decode pipe": (True, False, 5.0, 0.0, None),
+    "decode pipe, prefill loop": (True, True, 5.0, 0.0, None),
+    "decode pipe, prefill loop, 1 ms switch": (True, True, 1.0, 0.0, None),
+    "after: the same, nudged every 2 ms inside the step": (True, True, 1.0, 2.0, None),
+    "after, beside neighbour agents spinning (poll 0)": (True, True, 1.0, 2.0, 0.0),
+    "after, beside neighbour agents sleeping (poll 1 ms)": (True, True, 1.0, 2.0, 1.0),
 }
+
+_IDLE_AGENT = """
+import sys
+from kvshare_connector.transfer.nixl import NixlTransport
+agent = NixlTransport(sys.argv[1], progress_thread=True, progress_poll_ms=float(sys.argv[2]))
+print("up", flush=True)
+sys.stdin.read()
+"""
+
+
+@contextmanager
+def neighbours(count: int, poll_ms: float | None) -> Iterator[None]:
+    """``count`` idle NIXL agents, each in its own process, as other engines' agents are."""
+    procs = []
+    if poll_ms is not None:
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        for i in range(count):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", _IDLE_AGENT, f"neighbour-{i}", str(poll_ms)], env=env,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                text=True,
+            ))  # fmt: skip
+        for proc in procs:  # NIXL logs to stdout too
+            if not any(line.strip() == "up" for line in proc.stdout):
+                raise RuntimeError("a neighbour agent did not start")
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.stdin.close()
+            proc.wait(timeout=30)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -111,20 +152,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         (inline, switch): attacks.TargetProcess(
             SECRET, 2, pool=not inline, switch_interval_ms=switch
         )  # idle but while measured: one busy prefill at a time on the machine's cores
-        for _, inline, switch, _ in VARIANTS.values()
+        for _, inline, switch, _, _ in VARIANTS.values()
     }
     names = list(VARIANTS)
     samples: dict[str, list[list[float]]] = {name: [] for name in names}
     try:
         for r in range(args.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:  # rotated
-                via_pipe, inline, switch, nudge = VARIANTS[name]
+                via_pipe, inline, switch, nudge, poll = VARIANTS[name]
                 target = targets[inline, switch]
-                target.busy(args.prefill_busy_ms)
-                try:
-                    ms = measure(target, via_pipe, args.claims, args.step_ms / 1e3, nudge / 1e3)
-                finally:
-                    target.busy(0)
+                with neighbours(args.neighbours, poll):
+                    target.busy(args.prefill_busy_ms)
+                    try:
+                        ms = measure(target, via_pipe, args.claims, args.step_ms / 1e3,
+                                     nudge / 1e3)  # fmt: skip
+                    finally:
+                        target.busy(0)
                 samples[name].append(ms)
     finally:
         for target in targets.values():
@@ -142,7 +185,7 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         f"claims: {s['claims']} per variant and round, {s['rounds']} rounds (rotated); decode "
         f"steps of {s['step_ms']} ms, prefill engine thread busy, polling every "
-        f"{s['prefill_busy_ms']} ms",
+        f"{s['prefill_busy_ms']} ms; {s.get('neighbours', 0)} neighbour agent(s) where named",
         "",
         "| variant | p50 ms | p90 ms | p99 ms | p50 per round |",
         "|---|---|---|---|---|",
@@ -159,6 +202,8 @@ def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> i
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--step-ms", type=float, default=5.0, help="decode's step")
     parser.add_argument("--prefill-busy-ms", type=float, default=20.0)
+    parser.add_argument("--neighbours", type=int, default=1,
+                        help="idle NIXL agents beside the last two variants")
     parser.add_argument("--out", type=Path, default=None,
                         help="write claim_latency.md and claim_latency.json there")
     args = parser.parse_args(argv)

@@ -103,9 +103,9 @@ def test_per_layer_read_every_layer_byte_for_byte(peer, decoders):
 
 
 def test_read_with_nixl_progress_thread_on(peer, decoders):
-    """The transfer tests' agents run without NIXL's progress thread (it busy-polls a core
-    per agent: ``transfer_peer.peer_env``); the product's default has it on, and a read
-    through it lands too."""
+    """The transfer tests' agents run without NIXL's progress thread
+    (``transfer_peer.peer_env``); the product's default has it on, and a read through it
+    lands too."""
     decoder = decoders("g4tiny", "per_layer", progress_thread=True)
     assert decoder.transport.progress_thread
     assert not decoders("g4tiny", "per_layer").transport.progress_thread

@@ -99,7 +99,9 @@ class NixlWorker(WorkerBackend):
         plan = lanes.plan_lane(kinds, vmm=False in ipc, mode=o.ucx_lane)
         lanes.apply(plan)
         transport = NixlTransport(
-            f"{c.engine_id}-{c.role}-{uuid.uuid4().hex[:6]}", progress_thread=o.nixl_progress_thread
+            f"{c.engine_id}-{c.role}-{uuid.uuid4().hex[:6]}",
+            progress_thread=o.nixl_progress_thread,
+            progress_poll_ms=o.nixl_progress_poll_ms,
         )
         settings = c.settings()
         values = list(tensors.values()) if isinstance(tensors, Mapping) else [tensors]
@@ -144,6 +146,7 @@ class NixlWorker(WorkerBackend):
         line += f"; packed transfer {packing}"
         line += f"; verify_kv {'on' if digester else 'off'}"
         line += f"; thread switch interval {sys.getswitchinterval() * 1e3:g} ms"
+        line += f"; NIXL progress thread {transport.progress_mode}"
         return line + f"; UCX lane: {plan.describe()}"
 
     def _packer(self, memory: MemoryMap, device: Any) -> Packer | None:

@@ -66,9 +66,12 @@ class ConnectorOptions:
                             "KVSHARE_UCX_LANE")
     lane_probe_mib: float = _option(8.0, "Decode READs this much from each new prefill to "
                                     "check and measure the lane; 0: no probe.")
-    nixl_progress_thread: bool = _option(True, "NIXL's background progress thread (it "
-                                         "busy-polls one core per engine).",
+    nixl_progress_thread: bool = _option(True, "NIXL's background progress thread.",
                                          "KVSHARE_NIXL_PROGRESS_THREAD")
+    nixl_progress_poll_ms: float = _option(1.0, "The progress thread sleeps on UCX's events "
+                                           "and looks anyway after this long (whole ms); "
+                                           "0: NIXL's own busy poll, a core per engine.",
+                                           "KVSHARE_NIXL_PROGRESS_POLL_MS")
     switch_interval_ms: float = _option(1.0, "Prefill: Python's thread switch interval in "
                                         "the engine process (its 5 ms default is what a "
                                         "claim waits for the GIL behind the engine thread); "
@@ -180,7 +183,7 @@ def _convert(name: str, raw: Any, source: str) -> Any:
     if name in ("cross_layer_blocks", "verify_kv"):
         return None if raw is None else _flag(raw, source)
     if name in _POSITIVE or name in ("staging_mib", "lane_probe_mib", "switch_interval_ms",
-                                     "layer_nudge_ms"):
+                                     "layer_nudge_ms", "nixl_progress_poll_ms"):
         return _number(raw, source, positive=name in _POSITIVE)
     if name in _CHOICES:
         if raw not in _CHOICES[name]:

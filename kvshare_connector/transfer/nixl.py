@@ -9,7 +9,9 @@ reservation expensive elsewhere).
 
 from __future__ import annotations
 
+import math
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +39,8 @@ def _nixl_api() -> Any:
 
 
 PROGRESS_THREAD_ENV = "KVSHARE_NIXL_PROGRESS_THREAD"
+PROGRESS_POLL_ENV = "KVSHARE_NIXL_PROGRESS_POLL_MS"
+_AGENT_START = threading.Lock()
 
 
 def progress_thread_default() -> bool:
@@ -49,13 +53,63 @@ def progress_thread_default() -> bool:
     raise ValueError(f"{PROGRESS_THREAD_ENV} must be 0 or 1, got {value!r}")
 
 
+def progress_poll_ms_default() -> float:
+    """1 ms, unless ``KVSHARE_NIXL_PROGRESS_POLL_MS`` says otherwise (0: NIXL's busy poll)."""
+    raw = os.environ.get(PROGRESS_POLL_ENV, "1").strip()
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1e6:
+        raise ValueError(f"{PROGRESS_POLL_ENV} must be a number of ms, 0 or more, got {raw!r}")
+    return value
+
+
+def _start_agent(api: Any, name: str, config: Any, poll_ms: float) -> tuple[Any, bool]:
+    """``api.nixl_agent(name, config)`` with the progress thread's poll delay set, and
+    whether it was set.
+
+    NIXL's Python API hard-codes that delay to 0, and UCX's progress thread then calls
+    ``poll()`` with a 0 ms timeout: it spins, one core per agent whether anything moves or
+    not (9 engines on a 16-core host spin 9 cores). With a delay the thread sleeps on UCX's
+    event descriptors and wakes when something arrives, or after the delay rounded up to
+    whole ms. NIXL's binding exposes the field the API leaves at 0, so the API is handed its
+    bindings module with ``nixlAgent`` wrapped to set it; every other name passes through,
+    and the lock keeps two agents of one process from starting across the swap."""
+    real = getattr(api, "nixlBind", None)
+    if poll_ms <= 0 or not config.enable_pthread:
+        return api.nixl_agent(name, config), False
+    if real is None or not hasattr(real.nixlAgentConfig(), "pthrDelay"):
+        logger.warning("NIXL %s: this NIXL's Python API has no bindings module with the "
+                       "progress thread's poll delay; its progress thread spins a core",
+                       name)  # fmt: skip
+        return api.nixl_agent(name, config), False
+    delay_us = max(1, round(poll_ms * 1000))
+
+    class _Bindings:
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(real, attr)
+
+        @staticmethod
+        def nixlAgent(agent_name: str, agent_config: Any) -> Any:  # NIXL binding's name
+            agent_config.pthrDelay = delay_us
+            return real.nixlAgent(agent_name, agent_config)
+
+    with _AGENT_START:
+        api.nixlBind = _Bindings()
+        try:
+            return api.nixl_agent(name, config), True
+        finally:
+            api.nixlBind = real
+
+
 class NixlTransport:
     """One NIXL agent with our regions registered on it.
 
     ``progress_thread``: NIXL's background thread that progresses UCX while the engine is
-    not calling NIXL. Its Python API starts it with a poll delay of 0, so that thread
-    busy-polls: each agent keeps one CPU core busy even when idle (measured:
-    ``benchmarks/bench_transfer.py --progress-thread``). Without it, UCX moves only while
+    not calling NIXL. ``progress_poll_ms``: how long it sleeps on UCX's events before it
+    looks anyway (``_start_agent``; 0: NIXL's busy poll, one core per agent even when idle;
+    None: ``progress_poll_ms_default()``). Without the thread, UCX moves only while
     this process calls NIXL, which an engine does in its steps. The data of a READ over
     cuda_ipc, RDMA or shared memory needs nothing of prefill, but the first READ between
     two agents wires UCX's connection up, and UCX's TCP transport emulates a GET with
@@ -70,10 +124,14 @@ class NixlTransport:
         backends: Sequence[str] = ("UCX",),
         num_threads: int = 0,
         progress_thread: bool | None = None,
+        progress_poll_ms: float | None = None,
     ):
         api = _nixl_api()
         self.progress_thread = (
             progress_thread_default() if progress_thread is None else progress_thread
+        )
+        self.progress_poll_ms = (
+            progress_poll_ms_default() if progress_poll_ms is None else progress_poll_ms
         )
         config = api.nixl_agent_config(
             enable_prog_thread=self.progress_thread,
@@ -82,7 +140,12 @@ class NixlTransport:
         )
         self._api = api
         self.name = name
-        self.agent = api.nixl_agent(name, config)
+        self.agent, sleeps = _start_agent(api, name, config, self.progress_poll_ms)
+        self.progress_mode = (  # for the engine's start line
+            "off" if not self.progress_thread
+            else f"sleeps on UCX's events, {math.ceil(self.progress_poll_ms):g} ms at most"
+            if sleeps else "spins a core (poll 0)"
+        )  # fmt: skip
         if not self.agent.backends:
             raise TransportError(f"NIXL agent {name}: none of the backends {list(backends)} loaded")
         self._registered: list[Any] = []

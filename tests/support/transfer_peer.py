@@ -213,9 +213,10 @@ if __name__ == "__main__":
 
 def peer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """A test peer's environment: its NIXL agents run without NIXL's progress thread unless
-    the caller says otherwise. NIXL's Python API starts that thread with a poll delay of 0,
-    so each idle agent keeps a core busy; a peer holds up to seven agents and the test
-    process a dozen, and on a 2-core CI box peers then took over 300 s to start. A peer
+    the caller says otherwise. (When that thread spun, before ``nixl_progress_poll_ms``, a
+    peer's seven agents and the test process's dozen kept every core of a 2-core CI box
+    busy and peers took over 300 s to start; the threads now sleep, tests/
+    test_nixl_progress.py, but the peers keep the setting they were written for.) A peer
     polls its sources all the time, which progresses them (the connector's engines keep
     the thread on by default: tests/test_kv_probe.py, test_connector.py)."""
     from kvshare_connector.transfer.nixl import PROGRESS_THREAD_ENV
