@@ -248,6 +248,24 @@ def test_decode_down_is_503_naming_the_server() -> None:
         assert err["server"] == dead and "decode server" in err["message"]
 
 
+def test_failpoint_drops_the_decode_leg_naming_it(monkeypatch: Any) -> None:
+    """``proxy.before_decode=fail*1@1``: the second request's decode never comes (the fault
+    matrix's "decode never comes"); it fails 503 saying so, the others go through."""
+    from kvshare_connector.common import failpoints
+
+    monkeypatch.setattr(failpoints, "_ACTIVE", {})  # restored after the test
+    failpoints.configure("proxy.before_decode=fail*1@1")
+    with pd_stack() as (url, prefills, decodes):
+        codes = [httpx.post(url + "/v1/completions", json={"prompt": QUESTION}, timeout=10)
+                 for _ in range(3)]  # fmt: skip
+    assert [r.status_code for r in codes] == [200, 503, 200]
+    err = _error(codes[1])
+    assert err["type"] == "decode_dropped" and "decode leg not sent" in err["message"]
+    assert prefills[0].url in err["message"] and err["server"] == decodes[0].url
+    assert prefills[0].state.hits["completions"] == 3
+    assert decodes[0].state.hits["completions"] == 2  # the dropped one never reached it
+
+
 @pytest.mark.parametrize(
     ("mode", "needle"),
     [("garbage", "non-JSON"), ("no_kv", "without kv_transfer_params"), ("error500", "HTTP 500")],

@@ -265,6 +265,41 @@ def test_fault_decode_exits_prefill_lease_frees(tmp_path: Path, monkeypatch: Any
         assert v["no_wrong_kv"]["verify_failures"] >= 1
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("lease", [True, False])
+def test_fault_decode_never_comes_prefill_lease_frees(tmp_path: Path, monkeypatch: Any,
+                                                      lease: bool) -> None:  # fmt: skip
+    """Our proxy drops the decode leg of 4 requests under load (``--fault-action drop``):
+    each fails 503 naming why, prefill holds their KV until its lease ends. The control:
+    no lease, and kv_usage_zero FAILs (prefill leaked what it held)."""
+    if lease:
+        monkeypatch.setenv("FAKE_KV_LEASE", "2")
+    rc, summary, out = _faults(tmp_path, monkeypatch, "--fault-victim", "decode",
+                               "--fault-action", "drop", "--stop-seconds", "0.8",
+                               "--drain-timeout", "4")  # fmt: skip
+    events = _events(summary)
+    order = ["checks before the load", "load start", "fault", "victim resumed",
+             "victim rejoined"]
+    assert [e for e in events if e in order] == order and "victim restarted" not in events
+    f = summary["fault"]
+    assert (f["victim"], f["survivor"], f["how"]) == (
+        "decode", "prefill0", "proxy drops the decode leg of 4 requests")
+    resumed = next(e for e in summary["events"] if e["event"] == "victim resumed")
+    assert resumed["dropped"] == 4
+    deps = json.loads(_member(out, "raw/deployments.json"))
+    assert "KVSHARE_FAILPOINTS" not in str(deps)  # engines unarmed; the proxy is the front
+    failed = summary["bench"]["failed"] + sum(
+        p["status"] == 503 for p in json.loads(_member(out, "raw/faults.json"))["probes"])
+    assert failed == 4 and summary["bench"]["failed"] > 0
+    assert all("decode leg not sent" in e for e in summary["bench_errors"])
+    if lease:
+        assert rc == 0, summary["verdicts"]
+        assert summary["measured"]["usage_after_drain"] == {"prefill0": 0.0, "decode0": 0.0}
+    else:
+        assert rc == 1 and _failed(summary) == ["kv_usage_zero"]
+        assert summary["measured"]["usage_after_drain"]["prefill0"] > 0  # leaked
+
+
 def _member(out: Path, name: str) -> str:
     with tarfile.open(out / "raw.tar.gz") as tar:
         return tar.extractfile(name).read().decode()

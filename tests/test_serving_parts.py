@@ -214,7 +214,8 @@ def test_counter_total_sums_across_restarts() -> None:
 def test_fault_matrix_cases_commands_and_table(tmp_path: Path) -> None:
     cases = fault_matrix.pick(None)
     assert [c.name for c in cases] == ["prefill_claim", "decode_read", "prefill_stop",
-                                       "prefill_release", "prefill_flood"]  # fmt: skip
+                                       "prefill_release", "prefill_flood",
+                                       "decode_never_comes"]  # fmt: skip
     assert fault_matrix.pick(["b", "prefill_stop"]) == [cases[1], cases[2]]
     with pytest.raises(SystemExit):
         fault_matrix.pick(["z"])
@@ -222,8 +223,9 @@ def test_fault_matrix_cases_commands_and_table(tmp_path: Path) -> None:
              for i, c in enumerate(cases)]  # fmt: skip
     ports = {a[a.index("--base-port") + 1] for a in argvs}
     sides = {a[a.index("--side-channel-port") + 1] for a in argvs}
-    assert len(ports) == len(sides) == 5
+    assert len(ports) == len(sides) == 6
     assert argvs[4][argvs[4].index("--fault-action") + 1] == "flood"
+    assert argvs[5][argvs[5].index("--fault-action") + 1] == "drop"
     outs = [a[a.index("--out") + 1] for a in argvs]
     assert outs == [str(tmp_path / c.name) for c in cases]
     assert argvs[1][argvs[1].index("--extra-config") + 1] == '{"kv_lease_duration": 15}'
@@ -326,3 +328,22 @@ def test_bench_worker_runs_fails_and_times_out(tmp_path: Path, monkeypatch: Any)
         client.close()
     assert sorted(p.name for p in (raw / "bench").iterdir()) == ["a.json", "d.json"]
     assert "running ok" in (raw / "a.log").read_text()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--fault-action", "drop"], "the decode that never comes"),  # victim: prefill
+        (["--fault-action", "drop", "--fault-victim", "decode", "--router", "vllm-router"],
+         "through our proxy"),
+        (["--fault-action", "flood", "--fault-victim", "decode"], "floods prefill's"),
+        (["--fault-action", "stop", "--fault-point", "sink.read_posted"], "goes with"),
+    ],
+)  # fmt: skip
+def test_fault_options_that_do_not_go_together_are_refused(argv: list[str], message: str,
+                                                           capsys: Any) -> None:  # fmt: skip
+    from benchmarks.gpu import bench_serving
+
+    with pytest.raises(SystemExit):
+        bench_serving.main(["--out", "/tmp/x", "--model-dir", "/m", "--mode", "faults", *argv])
+    assert message in capsys.readouterr().err

@@ -243,11 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--fault-rate", type=float, default=4.0, help="requests/s offered")
     f.add_argument("--load-seconds", type=float, default=60.0, help="length of the offered load")
     f.add_argument("--fault-victim", choices=["prefill", "decode"], default="prefill")
-    f.add_argument("--fault-action", choices=["kill", "stop", "flood"], default="kill",
+    f.add_argument("--fault-action", choices=["kill", "stop", "flood", "drop"], default="kill",
                    help="kill: the victim dies (at --fault-point, else SIGKILL at "
                         "--kill-after) and is restarted; stop: SIGSTOP at --kill-after, "
                         "SIGCONT --stop-seconds later; flood: a client without the secret "
-                        "floods prefill's side channel for --stop-seconds")  # fmt: skip
+                        "floods prefill's side channel for --stop-seconds; drop (decode): "
+                        "our proxy never sends the decode leg of rate x --stop-seconds "
+                        "requests, from the --fault-skip'th on")  # fmt: skip
     f.add_argument("--fault-point", choices=sorted(FAILPOINTS), default=None,
                    help="kill: the victim exits at this failpoint (KVSHARE_FAILPOINTS)")
     f.add_argument("--fault-skip", type=int, default=None,
@@ -283,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error("--fault-point goes with --fault-action kill (the point exits)")
     if args.fault_action == "flood" and args.fault_victim != "prefill":
         build_parser().error("--fault-action flood floods prefill's side channel")
+    if args.fault_action == "drop" and (args.fault_victim != "decode"
+                                        or args.router != "kvshare"):  # fmt: skip
+        build_parser().error("--fault-action drop: the decode that never comes "
+                             "(--fault-victim decode), through our proxy (--router kvshare)")
     apply_mode_defaults(args)
     if not args.server_cmd:
         why = has_cuda()

@@ -10,7 +10,10 @@ Cases (``--cases`` picks some; default all):
 * ``decode_read``: decode exits at ``sink.read_posted`` (its READ in flight), restarted;
   prefill's lease (``kv_lease_duration`` 15) must free the blocks it held for it;
 * ``prefill_stop``: prefill hung, SIGSTOP 25 s (past the 10 s handshake timeout), SIGCONT;
-* ``prefill_release``: prefill exits at ``source.before_release``, restarted.
+* ``prefill_release``: prefill exits at ``source.before_release``, restarted;
+* ``prefill_flood``: a client without the secret floods prefill's side channel for 15 s;
+* ``decode_never_comes``: our proxy drops the decode leg of 16 requests (4 s at 4 req/s);
+  prefill's lease (``kv_lease_duration`` 15) must free what it held for them.
 
 Sized for one device call of 10 minutes with the engines' start (eager): 20 s of load at
 4 req/s, the fault 8 s in (a failpoint: its 10th hit under load), restart 2 s later; a
@@ -59,6 +62,9 @@ CASES = {
               ["--fault-victim", "prefill", "--fault-point", "source.before_release"]),
     "e": Case("prefill_flood", "prefill", "side-channel flood without the secret",
               ["--fault-victim", "prefill", "--fault-action", "flood", "--stop-seconds", "15"]),
+    "f": Case("decode_never_comes", "decode", "proxy drops the decode leg",
+              ["--fault-victim", "decode", "--fault-action", "drop", "--stop-seconds", "4",
+               "--extra-config", '{"kv_lease_duration": 15}']),
 }  # fmt: skip
 #: Every case: one GPU, engines started at once (fixed KV size), eager, a short load;
 #: 64 sequences at most (vLLM's default 1,024 makes its sampler warm-up take ~17 GiB per

@@ -28,7 +28,7 @@ from kvshare_connector.backends.base import (
     WorkerProgress,
     empty_block_ids,
 )
-from kvshare_connector.common.log import get_logger
+from kvshare_connector.common.log import LogBudget, get_logger
 from kvshare_connector.layout.topology import BlockIds, KVTopology
 from kvshare_connector.transfer import lanes
 from kvshare_connector.transfer.digests import Digester
@@ -37,7 +37,6 @@ from kvshare_connector.transfer.nixl import NixlTransport
 from kvshare_connector.transfer.packing import MemoryMap, Packer, StagingArea
 from kvshare_connector.transfer.probe import ProbeBuffer
 from kvshare_connector.transfer.shards import ShardedSink, rank_shard
-from kvshare_connector.transfer.side_channel import LogBudget
 from kvshare_connector.transfer.source import KVSource
 
 if TYPE_CHECKING:
@@ -88,7 +87,7 @@ class NixlWorker(WorkerBackend):
         self.sink: ShardedSink | None = None
         self._releasing: set[str] = set()  # release-only orders still under way
         self._nudged = 0.0
-        self._nudge_log = LogBudget(5, 60.0)
+        self._nudge_log = LogBudget(5, 60.0, subject="layer nudge", logger=logger)
 
     def start(self, topology: KVTopology, tensors: KVTensors) -> str:
         c, o = self.context, self.context.options

@@ -35,6 +35,8 @@ POINTS = {
     "sink.before_scatter": "decode, a packed READ landed in staging, before the scatter",
     "sink.before_report": "decode, a load done (and verified), before the engine learns",
     "source.before_release": "prefill, decode said done, before the blocks are freed",
+    "proxy.before_decode": "our proxy, prefill answered, before the decode leg (fail: the "
+    "decode never comes; prefill's lease must free the blocks it holds)",
 }
 EXIT_CODE = 137
 

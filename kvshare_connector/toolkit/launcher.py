@@ -367,6 +367,7 @@ class Deployment:
         self.cfg = cfg
         self.engines = engines
         self.with_proxy = with_proxy
+        self.front_env: dict[str, str] = {}  # e.g. a fault test's failpoint in our proxy
         self.procs: list[ManagedProcess] = []
 
     @property
@@ -382,7 +383,7 @@ class Deployment:
     def _spawn_front(self) -> ManagedProcess:
         """Our proxy, or vllm-router (started once the engines answer: it waits for them)."""
         if self.cfg.router == "kvshare":
-            return self._spawn("proxy", proxy_argv(self.cfg, self.engines), {})
+            return self._spawn("proxy", proxy_argv(self.cfg, self.engines), self.front_env)
         if not vllm_router_available():
             raise LaunchError(ROUTER_MISSING)
         port = self.cfg.router_metrics_port or pick_free_port(client_host(self.cfg.host))

@@ -28,6 +28,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvshare_connector.common.failpoints import FailpointError, failpoint
+
 logger = logging.getLogger(__name__)
 
 #: What the prefill request carries: "compute the KV, keep it for a remote decode".
@@ -313,6 +315,12 @@ class PDProxy:
         t0 = time.perf_counter()
         kv = await self.run_prefill(prefill_url, path, body, headers)
         t1 = time.perf_counter()
+        try:
+            failpoint("proxy.before_decode")
+        except FailpointError as exc:
+            raise ProxyError(503, f"decode leg not sent ({exc}): prefill {prefill_url} holds "
+                             "the request's KV until its lease ends", server=decode_url,
+                             kind="decode_dropped") from exc  # fmt: skip
         decode_body = {**body, "kv_transfer_params": kv}
         if stream:
             response = await self.stream_decode(decode_url, path, decode_body, headers, request_id)

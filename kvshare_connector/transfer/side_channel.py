@@ -26,7 +26,6 @@ import contextlib
 import hashlib
 import hmac
 import ipaddress
-import logging
 import secrets
 import socket
 import struct
@@ -39,7 +38,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvshare_connector.common.log import get_logger
+from kvshare_connector.common.log import LogBudget, get_logger
 
 logger = get_logger(__name__)
 
@@ -215,32 +214,6 @@ class _Buckets:
         return allowed
 
 
-class LogBudget:
-    """At most ``lines`` lines per window (at ``level``); the rest are counted and summed
-    up, so no peer can make the engine log without bound."""
-
-    def __init__(self, lines: int, window_s: float, level: int = logging.WARNING):
-        self.lines, self.window_s, self.level = lines, window_s, level
-        self._start, self._used, self._suppressed = time.monotonic(), 0, 0
-
-    def log(self, message: str) -> None:
-        now = time.monotonic()
-        if now - self._start > self.window_s:
-            if self._suppressed:
-                logger.log(
-                    self.level,
-                    "side channel: %d more line(s) like these not logged in the last %.0f s",
-                    self._suppressed,
-                    now - self._start,
-                )
-            self._start, self._used, self._suppressed = now, 0, 0
-        if self._used < self.lines:
-            self._used += 1
-            logger.log(self.level, "side channel: %s", message[:MAX_REFUSAL_CHARS])
-        else:
-            self._suppressed += 1
-
-
 Answer = bytes | Callable[[], bytes]  # a reply now, or work that may wait for one
 
 
@@ -271,7 +244,7 @@ class SideChannelServer:
         self.limits = limits or Limits()
         self._accepted = _Buckets(self.limits.rate, self.limits.burst)
         self._refusals = _Buckets(self.limits.refused_rate, self.limits.refused_burst)
-        self._log = LogBudget(self.limits.log_lines, self.limits.log_window_s)
+        self._log = LogBudget(self.limits.log_lines, self.limits.log_window_s, logger=logger)
         self._nonces: OrderedDict[bytes, float] = OrderedDict()
         self._connections: Counter[str] = Counter()
         self._refused_lock = threading.Lock()

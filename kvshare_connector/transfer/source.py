@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvshare_connector.common.failpoints import failpoint
-from kvshare_connector.common.log import get_logger
+from kvshare_connector.common.log import LogBudget, get_logger
 from kvshare_connector.layout.descriptors import request_descriptors
 from kvshare_connector.layout.sharding import Shard
 from kvshare_connector.layout.staging import PackedLayout
@@ -29,7 +29,6 @@ from kvshare_connector.transfer.probe import ProbeBuffer
 from kvshare_connector.transfer.settings import EngineSettings
 from kvshare_connector.transfer.side_channel import (
     Answer,
-    LogBudget,
     SideChannelServer,
     check_exposure,
     warn_if_no_secret,
@@ -121,8 +120,8 @@ class KVSource:
         # later): claims for them are answered "gone".
         self._released: OrderedDict[str, None] = OrderedDict()
         self._refused = Counter[str]()  # refused messages / claims the server did not count
-        self._log = LogBudget(20, 10.0)  # refusals
-        self._info = LogBudget(20, 10.0, logging.INFO)  # handshakes and releases
+        self._log = LogBudget(20, 10.0, logger=logger)  # refusals
+        self._info = LogBudget(20, 10.0, logging.INFO, logger=logger)  # handshakes, releases
         self._warned_unknown_blocks = False
         warn_if_no_secret(settings.secret)
         self.server = SideChannelServer(

@@ -126,7 +126,7 @@ def verdicts(data: dict[str, Any], requests: list[dict[str, Any]],
     verified = sum(engine_counter(data, d, "verified_loads_total") for d in decodes)
     wrong_out = mismatches(data.get("reference_records") or [], data.get("after_records") or [])
     usage = data.get("usage_after_drain") or {}
-    back = "victim resumed" if f["action"] in ("stop", "flood") else "victim restarted"
+    back = back_event(f["action"])
 
     def series(d: dict[str, float]) -> dict[str, float]:
         return {k.removeprefix("vllm:kvshare_"): v for k, v in d.items()
@@ -172,12 +172,18 @@ def verdicts(data: dict[str, Any], requests: list[dict[str, Any]],
     }  # fmt: skip
 
 
+def back_event(action: str) -> str:
+    """The event that ends the fault: a restart, or the victim resumed (stopped, flooded,
+    its decode legs dropped: no restart)."""
+    return "victim resumed" if action in ("stop", "flood", "drop") else "victim restarted"
+
+
 def measured(data: dict[str, Any], result: dict[str, Any] | None,
              requests: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
     """The numbers the fault matrix tabulates per case."""
     events, f = data["events"], data["fault"]
     fault = at(events, "fault")
-    back = at(events, "victim resumed" if f["action"] in ("stop", "flood") else "victim restarted")
+    back = at(events, back_event(f["action"]))
     healthy = at(events, "victim rejoined")
     good = first_good(data, requests, back) if back else None
     decodes = [n for n, r in f["roles"].items() if r == "decode"]

@@ -15,6 +15,10 @@ How the fault lands (``--fault-action``, ``--fault-point``):
 * ``flood`` (prefill): from ``--kill-after`` for ``--stop-seconds``, a client without the
   secret floods the victim's side channel (``devtools.attacks.flood``) while decode claims
   through it; no restart.
+* ``drop`` (decode, the decode that never comes): our proxy starts with the failpoint
+  ``proxy.before_decode=fail*N@K`` (N: ``--fault-rate`` x ``--stop-seconds``): N requests
+  past the warm-up get prefill's KV held and no decode leg (503, named); prefill's lease
+  must free their blocks. "victim resumed" once the proxy logged all N.
 
 Timeline (every ``--sample-interval`` s): each engine's ``/health`` and metrics, one probe
 per second through the front and one plain request per second straight to the survivor,
@@ -92,8 +96,19 @@ def drain_timeout(args: Any) -> float:
     return max(60.0, lease_seconds(args) + 30.0)
 
 
+def drops(args: Any) -> int:
+    """How many decode legs the ``drop`` action drops."""
+    return max(1, round(args.fault_rate * args.stop_seconds))
+
+
 def arm(planned: list[Planned], args: Any) -> None:
-    """Before anything starts (and is described): the victim, only it, gets the failpoint."""
+    """Before anything starts (and is described): the victim, only it, gets the failpoint
+    (``drop``: the proxy in front of it)."""
+    if args.fault_action == "drop":
+        skip = args.fault_skip if args.fault_skip is not None else default_skip(args)
+        planned[0].deployment.front_env[failpoints.ENV] = (
+            f"proxy.before_decode=fail*{drops(args)}@{skip}")
+        return
     point = args.fault_point
     if not point:
         return
@@ -121,6 +136,7 @@ class FaultRun:
         self.survivor_probes: list[dict[str, Any]] = []  # plain requests, no KV params
         self.stale: dict[str, Any] = {}
         self.resumed: float | None = None  # monotonic time of the SIGCONT (action stop)
+        self.dropped = 0  # decode legs the proxy dropped so far (action drop)
         self.events: list[dict[str, Any]] = []
         self.stop = threading.Event()
         self._log_offset = 0
@@ -211,6 +227,14 @@ class FaultRun:
                 return {**info, "how": f"SIGKILL (failpoint {a.fault_point} did not fire)",
                         "fired": False}  # fmt: skip
             return None
+        if a.fault_action == "drop":
+            self.dropped = self._front_drops()
+            if self.dropped:
+                return {**info, "how": f"proxy drops the decode leg of {drops(a)} requests",
+                        "fired": True}  # fmt: skip
+            if now >= a.kill_after + FIRE_GRACE_S:
+                return {**info, "how": "proxy.before_decode did not fire", "fired": False}
+            return None
         if now < a.kill_after:
             return None
         if a.fault_action == "flood":
@@ -227,6 +251,15 @@ class FaultRun:
         if victim.role == "prefill":
             threading.Thread(target=self._stale_load, args=(stale,), daemon=True).start()
         return {**info, "how": "SIGSTOP" if stop else "SIGKILL", "fired": True}
+
+    def _front_drops(self) -> int:
+        """Decode legs our proxy dropped so far (its failpoint's log lines)."""
+        front = next((x for x in self.p.deployment.procs if x.name == "proxy"), None)
+        try:
+            text = Path(front.log_path).read_bytes() if front else b""
+        except OSError:
+            return 0
+        return text.count(b"failpoint proxy.before_decode: fail")
 
     def _resume(self, proc: ManagedProcess) -> None:
         proc.signal_group(signal.SIGCONT)
@@ -278,6 +311,11 @@ class FaultRun:
                         self.event("fault", **what)
                 elif back is None and a.fault_action == "stop":
                     back = self.resumed  # set by the timer _fault started
+                elif back is None and a.fault_action == "drop":
+                    if self._front_drops() >= drops(a) or mono - fault >= a.rejoin_timeout:
+                        back = mono
+                        self.event("victim resumed", engine=victim.name,
+                                   dropped=self._front_drops())  # fmt: skip
                 elif back is None and a.fault_action == "flood":
                     if mono - fault >= a.stop_seconds:
                         back = mono
