@@ -209,7 +209,7 @@ def test_fault_stop_prefill_then_resume(tmp_path: Path, monkeypatch: Any, stop_s
     assert summary["fault"]["how"] == "SIGSTOP" and "victim restarted" not in events
     at = {e["event"]: e["time"] for e in summary["events"]}
     # The stop lasts what was asked, not that plus the driver's blocked scrapes of the victim.
-    assert stop_s - 0.2 < at["victim resumed"] - at["fault"] < stop_s + 0.5
+    assert stop_s - 0.2 < at["victim resumed"] - at["fault"] < stop_s + 1.0
     with tarfile.open(out / "raw.tar.gz") as tar:
         assert "raw/logs/ours/prefill0-restarted.log" not in tar.getnames()
     if stop_s < 5:
