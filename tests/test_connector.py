@@ -172,6 +172,61 @@ def test_decode_that_never_comes_releases_the_lease():
     assert sum(s["expired_leases"] for s in result["stats"]) == 2
 
 
+def _preemptions_while_decoding(decode: Engine, params: dict[str, Any]) -> dict[str, Any]:
+    """Four local requests, then one loaded from prefill, all decoding 600 tokens: in a
+    small pool vLLM preempts the newest running request (the loaded one) when the pool is
+    full, and schedules it again later. Preemptions and output tokens per request."""
+    names = [f"L{i}" for i in range(4)] + ["d0"]
+    for i, name in enumerate(names[:4]):
+        decode.add(name, 300, 600, None, 5 + i)
+    decode.step()
+    decode.add("d0", 300, 600, params, 0)
+    preempted = dict.fromkeys(names, 0)
+    tokens = dict.fromkeys(names, 0)
+
+    def done() -> bool:
+        for name, request in decode.scheduler.requests.items():
+            preempted[name] = max(preempted[name], request.num_preemptions)
+            tokens[name] = len(request.output_token_ids)
+        return set(names) <= set(decode.outputs)
+
+    decode.run_until(done, 120)
+    return {"preempted": preempted, "tokens": tokens}
+
+
+@pytest.mark.parametrize("kv_blocks", [260, 4096])
+def test_a_loaded_request_preempted_by_decode_is_recomputed_not_loaded_again(engines,
+                                                                             kv_blocks):
+    """Issue #25's small pools on decode: the loaded request is preempted (its blocks go
+    back to the pool) and later recomputed locally: one READ, no second claim, no load
+    error, every block free at the end, prefill's blocks freed once. The control: a large
+    pool, where nothing is preempted (the preemption is what the small pool tests)."""
+    port = pick_free_port()
+    child = start_prefill(port, 300, 1, cwd=ROOT)
+    try:
+        params = child.wait_json(READY, 180)["requests"]["p0"]["kv_transfer_params"]
+        decode = engines("g4tiny", "per_layer", "kv_consumer", pick_free_port(), {},
+                         kv_bytes=kv_blocks * 8192)  # g4tiny: 8 KiB per block  # fmt: skip
+        pool = decode.scheduler.kv_cache_manager.block_pool
+        assert pool.num_gpu_blocks == kv_blocks
+        run = _preemptions_while_decoding(decode, params)
+        result = child.wait_json(RESULT, 60)
+    finally:
+        child.kill()
+    if kv_blocks == 4096:
+        assert set(run["preempted"].values()) == {0}
+    else:
+        assert run["preempted"]["d0"] >= 1
+    assert decode.loaded == {"d0": []}  # loaded once, prefill's KV in every layer
+    assert sum(s["reads"] for s in decode.stats) == 1
+    assert set(run["tokens"].values()) == {599}  # the last step's token is not counted
+    assert all(o.kv_transfer_params is None for o in decode.outputs.values())  # no error
+    assert decode.worker.worker.backend.in_flight() == set()
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    assert result["held"] == [] and result["free_blocks"] == result["total_blocks"]
+    assert sum(s["sent"] for s in result["stats"]) == 1
+
+
 def test_cross_layer_blocks_pd_transfer(engines):
     port = pick_free_port()
     child = start_prefill(port, 250, 1, "--model", "g4uniform", "--layout", "cross_layer", cwd=ROOT)

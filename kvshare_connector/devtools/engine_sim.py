@@ -36,11 +36,13 @@ def build_engine(
     connector: str = "KVShareConnector",
     module_path: str | None = None,
     failure_policy: str = "fail",
+    kv_bytes: int = 32 << 20,
 ):
     """vLLM scheduler + worker-side connector over a CPU KV stack, as an engine would own.
 
     ``failure_policy``: vLLM's ``kv_load_failure_policy`` (its default, ``fail``; from 0.30
-    it decides what a failed load does, under any number of KV cache groups)."""
+    it decides what a failed load does, under any number of KV cache groups). ``kv_bytes``:
+    the KV pool (small: the scheduler preempts)."""
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -60,7 +62,7 @@ def build_engine(
         kv_load_failure_policy=failure_policy,
     )
     stack = build_cpu_stack(
-        model, layout, kv_bytes=32 << 20, max_model_len=1024, kv_transfer_config=transfer_config
+        model, layout, kv_bytes=kv_bytes, max_model_len=1024, kv_transfer_config=transfer_config
     )
     vllm_config = stack.vllm_config
     scheduler_block, hash_block = resolve_kv_cache_block_sizes(stack.kv_cache_config, vllm_config)
