@@ -227,6 +227,38 @@ def test_a_loaded_request_preempted_by_decode_is_recomputed_not_loaded_again(eng
     assert sum(s["sent"] for s in result["stats"]) == 1
 
 
+@pytest.mark.parametrize("kv_blocks", [260, 4096])
+def test_held_requests_fill_prefills_pool_and_later_prefills_wait_for_the_lease(engines,
+                                                                                kv_blocks):
+    """Issue #25's small pools on prefill: each finished prefill holds its blocks for a
+    decode that never comes; in a small pool the next prompt does not fit beside them and
+    waits (not fails) until the lease frees them. Every request completes, every lease is
+    counted, every block is free at the end. The control: a large pool, where no prompt
+    waits for a lease."""
+    lease_s = 1.0
+    prefill = engines("g4tiny", "per_layer", "kv_producer", pick_free_port(),
+                      {"kv_lease_duration": lease_s}, kv_bytes=kv_blocks * 8192)  # fmt: skip
+    pool = prefill.scheduler.kv_cache_manager.block_pool
+    source = prefill.worker.worker.backend.source
+    names = [f"p{i}" for i in range(4)]
+    for i, name in enumerate(names):
+        prefill.add(name, 900, 1, {"do_remote_decode": True}, i)
+    waited_behind_a_hold = False
+
+    def drained() -> bool:
+        nonlocal waited_behind_a_hold
+        waiting = [r for r in prefill.scheduler.requests.values()
+                   if r.request_id in names and r.num_computed_tokens == 0]  # fmt: skip
+        waited_behind_a_hold |= bool(waiting and source.held)
+        return set(names) <= set(prefill.outputs) and not source.held and (
+            pool.get_num_free_blocks() == pool.num_gpu_blocks - 1)
+
+    prefill.run_until(drained, 60)
+    assert waited_behind_a_hold is (kv_blocks == 260)
+    assert all(prefill.outputs[n].kv_transfer_params["do_remote_prefill"] for n in names)
+    assert sum(s.get("expired_leases", 0) for s in prefill.stats) == 4
+
+
 def test_cross_layer_blocks_pd_transfer(engines):
     port = pick_free_port()
     child = start_prefill(port, 250, 1, "--model", "g4uniform", "--layout", "cross_layer", cwd=ROOT)
