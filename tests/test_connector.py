@@ -98,6 +98,10 @@ def test_pd_transfer_through_vllm_scheduler(prefill_engine, engines, tmp_path):
     assert reads == 2 and sum(s["MB read"] for s in decode.stats) > 0
     logged = [json.loads(line) for line in read_log.read_text().splitlines()]
     assert sorted(r["request_id"] for r in logged) == ["d0", "d1"]
+    for r in logged:  # the claim's time, split: prefill's share inside decode's round trip
+        t = r["timeline"]
+        assert 0 <= t["asked"] <= t["claimed"] <= t["posted"] <= t["reported"]
+        assert 0 <= r["prefill_answer_s"] <= t["claimed"] - t["asked"] and r["claims"] >= 1
     assert sum(r["bytes"] for r in logged) / 1e6 == pytest.approx(
         sum(s["MB read"] for s in decode.stats), abs=2e-3
     )

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from benchmarks.gpu import bench_pd_gpu
 from gpu_checks import gpu_pd_e2e_report as e2e_report
 from gpu_checks import processes as driver_processes
@@ -262,3 +264,21 @@ def test_one_round_gives_no_interval():
     assert bench_pd_gpu.pooled_steady_ratio(t, "g4tiny/plain", "nixl:g4tiny/plain") == (
         "1.47x, too few rounds for an interval (1 / 1 rounds)"
     )
+
+
+def test_read_timeline_splits_the_claim_into_prefills_share_and_the_rest():
+    from benchmarks.gpu import read_timeline
+
+    records = [{"bytes": 1 << 20, "prefill_held_s": 0.05, "prefill_answer_s": 0.001 * i,
+                "claims": 1 + (i == 3),
+                "timeline": {"asked": 0.001, "claimed": 0.02 + 0.01 * i, "posted": 0.03 + 0.01 * i,
+                             "reported": 0.05 + 0.01 * i}}
+               for i in range(4)] + [{"bytes": 0, "timeline": {}}]  # fmt: skip
+    rows = dict(read_timeline.rows(records))
+    assert rows["asked -> claimed"] == pytest.approx([19.0, 29.0, 39.0, 49.0])
+    assert rows["prefill answering the claim"] == pytest.approx([0.0, 1.0, 2.0, 3.0])
+    assert rows["claims per read (count, not ms)"] == [1.0, 1.0, 1.0, 2.0]
+    assert "| asked -> claimed | 4 |" in read_timeline.table(records)
+    old = [{k: v for k, v in r.items() if k not in ("prefill_answer_s", "claims")}
+           for r in records]  # a read log from before: no such rows  # fmt: skip
+    assert "prefill answering the claim" not in dict(read_timeline.rows(old))

@@ -26,8 +26,10 @@ def _registry_types(registry: CollectorRegistry) -> dict[type, type]:
 
 def test_stats_carry_lanes_and_the_load_timeline_to_prometheus():
     stats = KVShareStats()
-    timeline = {"claimed": 0.0009, "posted": 0.001, "landed": 0.00105, "reported": 0.0011}
-    stats.record_read(TransferRecord("r0", 18 << 20, 1, 576, 5e-5, True, 0, 0.002, timeline))
+    timeline = {"asked": 0.0001, "claimed": 0.0009, "posted": 0.001, "landed": 0.00105,
+                "reported": 0.0011}  # fmt: skip
+    stats.record_read(TransferRecord("r0", 18 << 20, 1, 576, 5e-5, True, 0, 0.002, timeline,
+                                     prefill_answer_s=0.0002, claims=2))  # fmt: skip
     stats.record_lane("prefill-0", "cuda_ipc zero-copy", 812.5, slow=False)
     stats.record_lane("prefill-1", "software emulation (tcp)", 0.5, slow=True)
     other = KVShareStats()
@@ -50,7 +52,8 @@ def test_stats_carry_lanes_and_the_load_timeline_to_prometheus():
     )
     assert 'lane="software emulation (tcp)"' in text
     assert 'vllm:kvshare_slow_lanes_total{engine="0",model_name="m"} 1.0' in text
-    for phase in ("claimed", "posted", "landed", "reported", "prefill_held"):
+    for phase in ("asked", "claimed", "posted", "landed", "reported", "prefill_held",
+                  "prefill_answer"):
         assert (
             f'vllm:kvshare_load_phase_seconds_count{{engine="0",model_name="m",phase="{phase}"}}'
             " 1.0" in text

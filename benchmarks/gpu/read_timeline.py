@@ -37,6 +37,12 @@ def rows(records: list[dict]) -> list[tuple[str, list[float]]]:
     held = [r["prefill_held_s"] * 1e3 for r in moved if r.get("prefill_held_s") is not None]
     if held:
         out.append(("prefill held before the claim", held))
+    # The claim's round trip split: prefill's own answer time, the rest is the way there
+    # and back (sockets, threads, GIL, decode's next look) and any "not held yet" retry.
+    answer = [r["prefill_answer_s"] * 1e3 for r in moved if r.get("prefill_answer_s") is not None]
+    out.append(("prefill answering the claim", answer))
+    if answer:
+        out.append(("claims per read (count, not ms)", [float(r.get("claims", 1)) for r in moved]))
     return [(label, values) for label, values in out if values]
 
 

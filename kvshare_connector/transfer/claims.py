@@ -83,7 +83,8 @@ class Claims:
                     f"prefill {p.remote_engine_id} sent no KV digests for request {rid}: "
                     "verify_kv must be on for prefill too"
                 )
-            return Grant(reply.packed.get(rid), reply.digests.get(rid), reply.held_s.get(rid))
+            return Grant(reply.packed.get(rid), reply.digests.get(rid), reply.held_s.get(rid),
+                         reply.answer_s, read.claims)  # fmt: skip
         if rid in reply.gone:
             raise TransportError(
                 f"prefill {p.remote_engine_id} no longer holds request {rid}'s blocks (read "
@@ -118,6 +119,9 @@ class Claims:
             future = _answer(pipe.send(protocol.encode(claim)), key, claim.request_ids)
             for read in batch:
                 read.claim = future
+                read.claims += 1
+                if "asked" not in read.marks:
+                    read.mark("asked")
         return failed
 
     def _claim(self, orders: list[ReadOrder], verify: bool) -> protocol.Claim:

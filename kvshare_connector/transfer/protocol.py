@@ -27,7 +27,8 @@ from kvshare_connector.layout.topology import (
 # notifications carry the reader's claim token. 3: claims may ask for KV digests.
 # 4: layouts carry the TP shard, claims how many decode ranks read (tensor parallelism).
 # 5: handshake replies name a lane probe, releases carry the reader's claim token.
-PROTOCOL_VERSION = 6
+# 7: claim replies say how long prefill took to answer.
+PROTOCOL_VERSION = 7
 NOTIF_PREFIX = b"kvshare:v2:"
 NOTIF_DONE = b"done:"  # decode read the blocks: free them
 NOTIF_ABORT = b"abort:"  # decode gave up on the request: free them too
@@ -338,6 +339,9 @@ class ClaimReply(msgspec.Struct, tag="claimed", forbid_unknown_fields=True):
     digests: dict[str, KVDigests] = {}
     # how long each held request had waited on prefill when this claim came (timeline)
     held_s: dict[str, float] = {}
+    # seconds from the claim's arrival to this answer (a wait for the gather or the
+    # digests on the device included): what of the claim's time was prefill's
+    answer_s: float = 0.0
     # any other id asked for: not held yet (the prefill scheduler has not handed it over)
 
 

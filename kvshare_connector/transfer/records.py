@@ -7,13 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # A read's phases, in order (``TransferRecord.timeline``: seconds since the order came):
+# asked: the first claim left (the handshake and lane probe before it, when new);
 # claimed: prefill answered the claim (lease extended, packed slot and digests named);
 # posted: the READ was handed to NIXL; arrived: NIXL said it is done (the scatter and
 # decode's digests are launched then); landed: its bytes are in decode's blocks (after
 # the scatter, when packed) and the digests taken; verified: decode's digests matched
 # prefill's (verify_kv); reported: the engine learned the load is done (the poll that
 # returned it).
-PHASES = ("claimed", "posted", "arrived", "landed", "verified", "reported")
+PHASES = ("asked", "claimed", "posted", "arrived", "landed", "verified", "reported")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class TransferRecord:
     # prefill held the request this long before decode's claim reached it (None: unknown)
     prefill_held_s: float | None = None
     timeline: dict[str, float] = field(default_factory=dict)  # phase -> s since the order
+    # prefill's own share of the claim: from its arrival to the answer (None: unknown)
+    prefill_answer_s: float | None = None
+    claims: int = 1  # claims sent before prefill held the request for this reader
 
 
 @dataclass(frozen=True)

@@ -379,6 +379,8 @@ class KVSink:
                 read.verified,
                 grant.held_s,
                 dict(read.marks),
+                grant.answer_s,
+                grant.claims,
             )
         )
 

@@ -191,6 +191,7 @@ class KVSource:
     def _claim(self, claim: protocol.Claim) -> Answer:
         """Extend the leases of held requests for their one reader; say which are gone,
         which are refused (the rest: not yet held)."""
+        arrived = time.monotonic()
         hold_s = min(max(claim.hold_s, 0.0), max(self.lease_s, MAX_CLAIM_HOLD_S))
         held, gone, refused = [], [], {}
         packs: dict[str, _Packed] = {}
@@ -231,7 +232,8 @@ class KVSource:
                 packed[request_id] = protocol.PackedRef(
                     self.packer.staging.addr + pack.slot, pack.nbytes, pack.device_id
                 )
-            answer = protocol.ClaimReply(held, gone, refused, packed, _digest_msgs(digests), ages)
+            answer = protocol.ClaimReply(held, gone, refused, packed, _digest_msgs(digests), ages,
+                                         round(time.monotonic() - arrived, 6))  # fmt: skip
             if held:
                 failpoint("source.claim_answered")
             return protocol.encode(answer)

@@ -80,8 +80,9 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
         self.phases = self._histogram_cls(
             name="vllm:kvshare_load_phase_seconds",
             documentation="Where a KV load's time goes: seconds from decode's load order to "
-            "each phase (claimed, posted, arrived, landed, verified, reported); prefill_held: how "
-            "long prefill held the request before decode's claim came.",
+            "each phase (asked, claimed, posted, arrived, landed, verified, reported); "
+            "prefill_held: how long prefill held the request before decode's claim came; "
+            "prefill_answer: how long prefill took to answer the claim.",
             buckets=_SECONDS_BUCKETS,
             labelnames=[*labelnames, "phase"],
         )

@@ -53,6 +53,8 @@ class KVShareStats(KVConnectorStats):
         timeline = dict(record.timeline)
         if record.prefill_held_s is not None:
             timeline["prefill_held"] = record.prefill_held_s
+        if record.prefill_answer_s is not None:
+            timeline["prefill_answer"] = record.prefill_answer_s
         if timeline:
             self.data[PHASES].append(timeline)
 
