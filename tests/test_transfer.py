@@ -33,7 +33,7 @@ from .support.transfer_peer import PeerProcess
 
 PEER_SOURCES = with_defaults([
     # g4tiny: 10 layers, 4 sharers, 6 KV cache groups (5 sliding head 64, 1 full head 128).
-    {"name": "tiny", "model": "g4tiny", "layout": "per_layer", "requests": 7, "seed": 100},
+    {"name": "tiny", "model": "g4tiny", "layout": "per_layer", "requests": 9, "seed": 100},
     # g4uniform: one group of 6 full-attention owners: vLLM's cross-layer blocks tensor.
     {"name": "uniform_cl", "model": "g4uniform", "layout": "cross_layer", "requests": 3,
      "seed": 200},
@@ -114,6 +114,47 @@ def test_read_with_nixl_progress_thread_on(peer, decoders):
     assert_landed(decoder, decoder.read(request, local_ids, new_id("thread-on")), local_ids)
     released = peer.released_event("tiny", request["request_id"])
     assert request["request_id"] in released["read"]
+
+
+def test_the_reads_of_one_step_are_all_posted_before_any_is_watched(peer, decoders):
+    """Three requests claimed in one message: the advance that gets the answer posts all
+    three READs, then watches them together (watched one by one, each READ waited for the
+    landing of the one before it). Every layer of each lands byte for byte."""
+    decoder = decoders("g4tiny", "per_layer")
+    decoder.zero()
+    reads = {}
+    taken: set[int] = set()  # the three reads land in blocks of their own
+    seeds = iter(range(40, 1000))
+    for i, index in enumerate((4, 7, 8)):
+        request = peer.request("tiny", index)
+        local_ids = request_block_ids(decoder.topology, TOKENS, seed=next(seeds))
+        while taken & {b for ids in local_ids for b in ids}:
+            local_ids = request_block_ids(decoder.topology, TOKENS, seed=next(seeds))
+        taken |= {b for ids in local_ids for b in ids}
+        rid = new_id(f"batch{i}")
+        decoder.sink.request(rid, kv_params.remote_prefill_params(
+            request["kv_transfer_params"]), local_ids)  # fmt: skip
+        reads[rid] = (request, local_ids)
+    done: set[str] = set()
+    deadline = time.monotonic() + HANDSHAKE_S + 30
+    while done != set(reads) and time.monotonic() < deadline:
+        finished, failed = decoder.sink.poll(spin_s=1.0)  # a long watch: all three land in it
+        assert not failed, failed
+        done |= finished
+        time.sleep(0.001)
+    assert done == set(reads)
+    records = {r.request_id: r for r in decoder.sink.records if r.request_id in reads}
+    posted = [r.timeline["posted"] + reads_created(decoder, r) for r in records.values()]
+    arrived = [r.timeline["arrived"] + reads_created(decoder, r) for r in records.values()]
+    assert max(posted) <= min(arrived), (posted, arrived)
+    for rid, (request, local_ids) in reads.items():
+        assert kvcheck.mismatches(decoder.stack.kv_caches, decoder.topology, local_ids,
+                                  seed=request["seed"]) == [], rid  # fmt: skip
+
+
+def reads_created(decoder, record) -> float:
+    """When the read of ``record`` was created (its timeline counts from there)."""
+    return decoder.sink._created[record.request_id]
 
 
 def test_progress_thread_setting_is_checked(monkeypatch):

@@ -157,10 +157,12 @@ class KVSink:
 
     def advance(self, spin_s: float = 0.0) -> None:
         """Move every read as far as it goes now (handshake, claim, READ, scatter); called
-        when requests arrive too, so their claims are under way before the step ends."""
+        when requests arrive too, so their claims are under way before the step ends.
+        Every READ that can start is posted, then all are watched together for ``spin_s``
+        (one by one, each waited for the landing of the one before: 2026-12-03b)."""
         self.peers.pump()  # claims' answers that came in since the last call
         now = time.monotonic()
-        deadline = now + spin_s
+        moving = []
         for read in list(self._reads.values()):
             try:
                 if read.phase not in (Phase.READ, Phase.LAND):
@@ -171,37 +173,54 @@ class KVSink:
                         self._done.add(read.request_id)
                     if read.phase is not Phase.READ:
                         continue
-                self._watch(read, deadline, now)  # a READ posted just now is watched too
+                moving.append(read)
             except Exception as exc:  # every failure ends this request only
                 self._fail(read, exc)
+        self._watch(moving, now + spin_s, now)  # a READ posted just now is watched too
         for request_id, exc in self.claims.send().items():
             self._fail(self._reads[request_id], exc)
         for request_id in self._done | set(self._failed):
             self._reads.pop(request_id, None)
 
-    def _watch(self, read: Read, deadline: float, now: float) -> None:
-        """A posted READ: once NIXL says done, start what runs on the device after it, and
-        finish the read once that is done too (watching both until ``deadline``)."""
+    def _watch(self, reads: list[Read], deadline: float, now: float) -> None:
+        """Look at each posted READ in turn until all are finished or ``deadline`` has
+        passed (once each at least); a read still moving is checked against its bound."""
+        moving = reads
+        while moving:
+            still = []
+            for read in moving:
+                try:
+                    if not self._look(read):
+                        still.append(read)
+                except Exception as exc:
+                    self._fail(read, exc)
+            moving = still
+            if time.monotonic() >= deadline:
+                break
+        for read in moving:
+            try:
+                what = ("did not finish" if read.phase is Phase.READ
+                        else "arrived, but its scatter or digests did not finish")  # fmt: skip
+                self._check_time(read, now, what)
+            except Exception as exc:
+                self._fail(read, exc)
+
+    def _look(self, read: Read) -> bool:
+        """One look at a posted READ: once NIXL says done, start what runs on the device
+        after it; once that is done too, check and finish the read (True)."""
         transfer = read.transfer
         assert transfer is not None
-        p = read.order.params
         if read.phase is Phase.READ:
             state = self.transport.state(transfer.handle)
-            while state == "PROC" and time.monotonic() < deadline:
-                state = self.transport.state(transfer.handle)
             if state == "ERR":
-                raise ReadFailed(f"NIXL READ from {p.remote_engine_id} failed")
+                raise ReadFailed(f"NIXL READ from {read.order.params.remote_engine_id} failed")
             if state != "DONE":
-                self._check_time(read, now, "did not finish")
-                return
+                return False
             read.mark("arrived")
             self._land(read)
         assert read.landing is not None
-        while not read.landing.ready() and time.monotonic() < deadline:
-            pass
         if not read.landing.ready():
-            self._check_time(read, now, "arrived, but its scatter or digests did not finish")
-            return
+            return False
         self._landed(read)
         read.mark("landed")
         self._verify(read)
@@ -210,6 +229,7 @@ class KVSink:
         failpoint("sink.before_report")
         self._finish(read)
         self._done.add(read.request_id)
+        return True
 
     def _check_time(self, read: Read, now: float, what: str) -> None:
         transfer = read.transfer
