@@ -159,7 +159,7 @@ class KVSink:
         """Move every read as far as it goes now (handshake, claim, READ, scatter); called
         when requests arrive too, so their claims are under way before the step ends.
         Every READ that can start is posted, then all are watched together for ``spin_s``
-        (one by one, each waited for the landing of the one before: 2026-12-03b)."""
+        (one by one, a READ could wait that long for the read before it to land)."""
         self.peers.pump()  # claims' answers that came in since the last call
         now = time.monotonic()
         moving = []
