@@ -390,7 +390,13 @@ def test_whole_run_with_fake_servers(tmp_path: Path, model_dir: Path) -> None:
     assert sorted(p.name for p in out.iterdir()) == ["raw.tar.gz", "results.json", "summary.md"]
     with tarfile.open(out / sr.TARBALL) as tar:
         names = tar.getnames()
+        manifest = [json.loads(x) for x in tar.extractfile("raw/runs.jsonl").read().splitlines()]
     assert "raw/logs/ours/proxy.log" in names and "raw/runs.jsonl" in names
+    # Before round 0, one untimed wave per deployment and point (the report leaves it out).
+    warm = [r for r in manifest if r.get("warmup")]
+    assert sorted(r["deployment"] for r in warm) == ["colocated", "nixl", "ours"]
+    assert all(r["round"] == -1 and r["rc"] == 0 and f"raw/{r['file']}" in names for r in warm)
+    assert max(r["end"] for r in warm) <= min(r["start"] for r in manifest if not r.get("warmup"))
     results = json.loads((out / "results.json").read_text())
     assert {r["deployment"] for r in results["runs"]} == {"ours", "nixl", "colocated"}
     assert all(r["ok"] for r in results["runs"]) and len(results["runs"]) == 6

@@ -218,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--warmup-requests", type=int, default=8, help="checked greedy requests per deployment")
     add("--warmup-tokens", type=int, default=16, help="tokens each warmup request generates")
     add("--warmup-len", type=int, default=2048, help="warmup prompt length cap")
+    add("--no-shape-warmup", dest="shape_warmup", action="store_false",
+        help="rounds: skip the untimed wave per point and deployment before round 0")
     add("--gpu-mem", type=float, default=0.3, help="gpu-memory-utilization per engine")
     add("--kv-cache-gib", type=float, default=None,
         help="fixed KV cache per engine (--kv-cache-memory-bytes): no memory profiling, so "
