@@ -23,7 +23,7 @@ import numpy as np
 from kvshare_connector.layout.staging import word_indices, word_size
 from kvshare_connector.layout.topology import KVTopology
 from kvshare_connector.layout.verification import layer_runs, weights
-from kvshare_connector.transfer.packing import Copy, MemoryMap, PackingError, upload
+from kvshare_connector.transfer.packing import Copy, MemoryMap, PackingError, side_stream, upload
 
 CHUNK_BYTES = 64 << 20  # bytes gathered at once: bounds the temporary memory
 
@@ -76,7 +76,7 @@ class Digester:
         self._weights: dict[int, Any] = {}
         self._stream: Any = None
         if self.device.type == "cuda":
-            self._stream = torch.cuda.Stream(device=self.device)
+            self._stream = side_stream(self.device)
 
     def _weights_of(self, words: int) -> Any:
         import torch
