@@ -127,6 +127,18 @@ def test_commands_of_each_deployment(tmp_path: Path, model_dir: Path) -> None:
     bs.check_memory(planned, one_at_a_time=True)
 
 
+def test_extra_configs_merge_in_order(tmp_path: Path, model_dir: Path) -> None:
+    """A case's --extra-config and a variant's (the fault matrix gives both) merge."""
+    _, planned = _plan(tmp_path, model_dir, "--deployments", "ours", "--extra-config",
+                       '{"kv_lease_duration": 60, "staging_mib": 8}', "--extra-config",
+                       '{"verify_kv": false, "kv_lease_duration": 15}')  # fmt: skip
+    prefill = next(e for e in planned[0].deployment.engines if e.role == "prefill")
+    extra = json.loads(_arg(prefill.argv, "--kv-transfer-config"))["kv_connector_extra_config"]
+    assert extra == {"kv_lease_duration": 15, "staging_mib": 8, "verify_kv": False}
+    with pytest.raises(SystemExit, match="not a JSON object"):
+        _plan(tmp_path, model_dir, "--extra-config", "[1]")
+
+
 def test_kvcached_per_deployment_and_fixed_kv_size(tmp_path: Path, model_dir: Path) -> None:
     """One run can hold plain and kvcached variants of ours; a fixed KV size skips vLLM's
     memory profiling and starts every engine at once."""

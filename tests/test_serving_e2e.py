@@ -160,6 +160,24 @@ def test_fault_mode_kills_and_restarts_prefill(tmp_path: Path, monkeypatch: Any)
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not vllm_router_available(), reason="vllm-router not installed")
+def test_fault_behind_vllm_router_1p2d(tmp_path: Path, monkeypatch: Any) -> None:
+    """The fault matrix's router-1p2d variant: prefill killed under load behind vllm-router
+    with two decodes, restarted; every verdict passes and all three engines drain."""
+    rc, summary, out = _faults(tmp_path, monkeypatch, "--router", "vllm-router",
+                               "--num-decode", "2")  # fmt: skip
+    assert rc == 0, summary["verdicts"]
+    assert summary["setup"]["front"] == "vllm-router"
+    assert summary["fault"]["roles"] == {"prefill0": "prefill", "decode0": "decode",
+                                         "decode1": "decode"}  # fmt: skip
+    assert summary["measured"]["usage_after_drain"] == {"prefill0": 0.0, "decode0": 0.0,
+                                                        "decode1": 0.0}  # fmt: skip
+    assert "victim restarted" in _events(summary)
+    with tarfile.open(out / "raw.tar.gz") as tar:
+        assert "raw/logs/ours/router.log" in tar.getnames()
+
+
+@pytest.mark.slow
 def test_fault_at_a_failpoint_prefill_exits_there(tmp_path: Path, monkeypatch: Any) -> None:
     """The victim starts with KVSHARE_FAILPOINTS and exits at its 21st KV pull (2 warmup + 8
     checks + 10 under load); the driver notices, restarts it without the failpoint."""

@@ -230,6 +230,20 @@ def test_fault_matrix_cases_commands_and_table(tmp_path: Path) -> None:
     assert outs == [str(tmp_path / c.name) for c in cases]
     assert argvs[1][argvs[1].index("--extra-config") + 1] == '{"kv_lease_duration": 15}'
     assert argvs[0][-2:] == ["--input-len", "1024"]
+    # Variants: every case again in other deployments (the proxy's drop not behind a router).
+    crossed = fault_matrix.pick(None, ["1p1d", "router-1p2d", "noverify"])
+    names = [c.name for c in crossed]
+    assert len(crossed) == 17 and "decode_never_comes@router-1p2d" not in names
+    assert "prefill_claim@router-1p2d" in names and "decode_read@noverify" in names
+    read_noverify = crossed[names.index("decode_read@noverify")]
+    assert read_noverify.argv[-2:] == ["--extra-config", '{"verify_kv": false}']
+    argvs = [fault_matrix.case_argv(c, i, "/m", tmp_path, []) for i, c in enumerate(crossed)]
+    ports = [int(a[a.index("--base-port") + 1]) for a in argvs]
+    sides = [int(a[a.index("--side-channel-port") + 1]) for a in argvs]
+    assert len(set(ports)) == len(set(sides)) == 17
+    assert max(ports) + fault_matrix.PORT_STEP <= min(sides) and max(sides) < 32768
+    with pytest.raises(SystemExit):
+        fault_matrix.pick(None, ["3p3d"])
     # The table: one case with a summary, one with none (its process gave no result).
     t0 = 1_000_000.0
     summary = fault_report.summarize(_fault_data(t0), _result(), t0 + 61.0, 30.0)

@@ -79,6 +79,14 @@ MODE_DEFAULTS = {
 
 
 def apply_mode_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    if isinstance(args.extra_config, list):  # every --extra-config, one JSON object
+        merged: dict = {}
+        for text in args.extra_config:
+            try:
+                merged.update(json.loads(text))
+            except (ValueError, TypeError, AttributeError):
+                raise SystemExit(f"--extra-config {text!r}: not a JSON object") from None
+        args.extra_config = json.dumps(merged)
     for key, value in MODE_DEFAULTS[args.mode].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -185,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--served-model-name", default="kvshare-bench")
     add("--deployments", nargs="+", choices=KINDS, default=list(KINDS))
     add("--ours-variants", nargs="+", metavar="NAME=JSON", help='e.g. direct={"staging_mib":0}')
-    add("--extra-config", help="JSON merged into our kv_connector_extra_config")
+    add("--extra-config", action="append", help="JSON merged into our "
+        "kv_connector_extra_config; given again, merged in order (later keys win)")
     add("--engine-env", nargs="+", metavar="KEY=VALUE", help="env of every engine, e.g. "
         "UCX_LOG_LEVEL=info UCX_PROTO_INFO=y (which lane a READ takes)")  # fmt: skip
     add("--variant-env", nargs="+", metavar="NAME:KEY=VALUE", help="env of one deployment's "

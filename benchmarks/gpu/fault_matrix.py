@@ -15,6 +15,11 @@ Cases (``--cases`` picks some; default all):
 * ``decode_never_comes``: our proxy drops the decode leg of 16 requests (4 s at 4 req/s);
   prefill's lease (``kv_lease_duration`` 15) must free what it held for them.
 
+``--variants`` runs each case in several deployments (default ``1p1d``): ``1p2d`` (two
+decodes), ``router`` (vllm-router in front instead of our proxy), ``router-1p2d``, and
+``noverify`` (``verify_kv`` off); the table names them ``case@variant``. The decode that
+never comes needs our proxy: with a router it is left out, and the table says so.
+
 Sized for one device call of 10 minutes with the engines' start (eager): 20 s of load at
 4 req/s, the fault 8 s in (a failpoint: its 10th hit under load), restart 2 s later; a
 total ``--time-limit`` after which every case is stopped (SIGTERM: each stops its engines).
@@ -66,6 +71,13 @@ CASES = {
               ["--fault-victim", "decode", "--fault-action", "drop", "--stop-seconds", "4",
                "--extra-config", '{"kv_lease_duration": 15}']),
 }  # fmt: skip
+VARIANTS = {
+    "1p1d": [],
+    "1p2d": ["--num-decode", "2"],
+    "router": ["--router", "vllm-router"],
+    "router-1p2d": ["--router", "vllm-router", "--num-decode", "2"],
+    "noverify": ["--extra-config", '{"verify_kv": false}'],
+}  # fmt: skip
 #: Every case: one GPU, engines started at once (fixed KV size), eager, a short load;
 #: 64 sequences at most (vLLM's default 1,024 makes its sampler warm-up take ~17 GiB per
 #: engine, and 9 engines on one H200 ran out of memory at start on 2026-12-03).
@@ -75,20 +87,30 @@ COMMON = ["--mode", "faults", "--enforce-eager", "--kv-cache-gib", "2", "--gpu-m
           "--kill-after", "8", "--restart-after", "2", "--ready-timeout", "300",
           "--rejoin-timeout", "150", "--bench-timeout", "120", "--grace", "10"]  # fmt: skip
 BASE_PORT, PORT_STEP = 18000, 100
-SIDE_PORT, SIDE_STEP = 15600, 200
+SIDE_PORT, SIDE_STEP = 22000, 200  # above the engines' ports of 40 cases, below 32768
 
 
-def pick(names: list[str] | None) -> list[Case]:
-    """Cases by letter or name (None: all)."""
-    if not names:
-        return list(CASES.values())
+def pick(names: list[str] | None, variants: list[str] | None = None) -> list[Case]:
+    """Cases by letter or name (None: all), each in every variant (None: ``1p1d``); a
+    case a variant cannot run (the proxy's failpoint behind vllm-router) is left out."""
     by_name = {c.name: c for c in CASES.values()}
-    out = []
-    for n in names:
+    base = []
+    for n in names or list(CASES):
         case = CASES.get(n) or by_name.get(n)
         if case is None:
             raise SystemExit(f"--cases {n!r}: one of {sorted(CASES)} or {sorted(by_name)}")
-        out.append(case)
+        base.append(case)
+    out = []
+    for v in variants or ["1p1d"]:
+        if v not in VARIANTS:
+            raise SystemExit(f"--variants {v!r}: one of {sorted(VARIANTS)}")
+        for case in base:
+            if "vllm-router" in VARIANTS[v] and "drop" in case.argv:
+                print(f"[matrix] {case.name}@{v}: left out (the proxy drops the decode leg; "
+                      "vllm-router has no failpoint)", flush=True)  # fmt: skip
+                continue
+            name = case.name if v == "1p1d" else f"{case.name}@{v}"
+            out.append(Case(name, case.victim, case.how, [*case.argv, *VARIANTS[v]]))
     return out
 
 
@@ -208,12 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--cases", nargs="+", help=f"letters or names, of {sorted(CASES)}")
+    p.add_argument("--variants", nargs="+", help=f"deployments, of {sorted(VARIANTS)}")
     p.add_argument("--time-limit", type=float, default=520.0,
                    help="s for the whole matrix; then every case is stopped")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     args, extra = p.parse_known_args(argv)
     out = Path(args.out).resolve()
-    cases = pick(args.cases)
+    cases = pick(args.cases, args.variants)
     argvs = [case_argv(c, i, args.model_dir, out, extra) for i, c in enumerate(cases)]
     if args.dry_run:
         print("\n".join(" ".join(a) for a in argvs))
