@@ -151,10 +151,54 @@ def _check_serve_pd(args: argparse.Namespace) -> None:
 
 
 def _run_serve_pd(args: argparse.Namespace) -> int:
-    from kvshare_connector.toolkit.launcher import run_foreground
-
     deployment = getattr(args, "deployment", None) or _deployment(args)
     return run_foreground(deployment, args.ready_file)
+
+
+def run_foreground(deployment: Any, ready_file: Path | None = None) -> int:
+    """Start, print the endpoint, and block until Ctrl-C/SIGTERM or a server dies."""
+    import json
+    import signal
+    import time
+
+    from kvshare_connector.common.files import write_atomic
+    from kvshare_connector.toolkit.procs import LaunchError, signals_interrupt
+
+    try:
+        with signals_interrupt(signal.SIGINT, signal.SIGTERM):
+            try:
+                deployment.start()
+            except LaunchError as exc:
+                logger.error("%s", exc)
+                return 1
+            info = deployment.describe()
+            print(
+                f"kvshare: ready; OpenAI endpoint {info['endpoint']}/v1 "
+                f"(model {info['model']!r}); logs in {info['log_dir']}; Ctrl-C stops",
+                flush=True,
+            )
+            if ready_file is not None:
+                # Readers poll for the file: it must appear whole.
+                write_atomic(ready_file, json.dumps(info, indent=2))
+            try:
+                while True:
+                    dead = deployment.dead()
+                    if dead:
+                        for p in dead:
+                            logger.error(
+                                "%s exited (code %s); log %s:\n%s",
+                                p.name,
+                                p.proc.returncode if p.proc else None,
+                                p.log_path,
+                                p.log_tail(),
+                            )
+                        return 1
+                    time.sleep(0.5)
+            finally:
+                deployment.stop()
+    except KeyboardInterrupt:
+        print("kvshare: stopped", flush=True)
+        return 0
 
 
 def add_serve_pd_parser(sub: argparse._SubParsersAction) -> None:

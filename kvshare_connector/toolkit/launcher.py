@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvshare_connector.common.files import write_atomic
 from kvshare_connector.toolkit.checks import (
     UsageError,
     check_gpus,
@@ -49,7 +48,6 @@ from kvshare_connector.toolkit.procs import (
     LaunchError,
     ManagedProcess,
     pick_free_port,
-    signals_interrupt,
     stop_processes,
     wait_healthy,
 )
@@ -467,44 +465,3 @@ def pd_deployment(cfg: ServeConfig) -> Deployment:
 
 def colocated_deployment(cfg: ServeConfig) -> Deployment:
     return Deployment(cfg, plan_colocated(cfg), with_proxy=False)
-
-
-def run_foreground(deployment: Deployment, ready_file: Path | None = None) -> int:
-    """Start, print the endpoint, and block until Ctrl-C/SIGTERM or a server dies."""
-    import signal
-
-    try:
-        with signals_interrupt(signal.SIGINT, signal.SIGTERM):
-            try:
-                deployment.start()
-            except LaunchError as exc:
-                logger.error("%s", exc)
-                return 1
-            info = deployment.describe()
-            print(
-                f"kvshare: ready; OpenAI endpoint {info['endpoint']}/v1 "
-                f"(model {info['model']!r}); logs in {info['log_dir']}; Ctrl-C stops",
-                flush=True,
-            )
-            if ready_file is not None:
-                # Readers poll for the file: it must appear whole.
-                write_atomic(ready_file, json.dumps(info, indent=2))
-            try:
-                while True:
-                    dead = deployment.dead()
-                    if dead:
-                        for p in dead:
-                            logger.error(
-                                "%s exited (code %s); log %s:\n%s",
-                                p.name,
-                                p.proc.returncode if p.proc else None,
-                                p.log_path,
-                                p.log_tail(),
-                            )
-                        return 1
-                    time.sleep(0.5)
-            finally:
-                deployment.stop()
-    except KeyboardInterrupt:
-        print("kvshare: stopped", flush=True)
-        return 0
