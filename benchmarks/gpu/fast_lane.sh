@@ -19,6 +19,9 @@
 #            .before/, carried: git archive <commit> kvshare_connector | tar -x -C .before),
 #            NixlConnector and colocated, all up at once; 2k and 8k x concurrency 1 and 16,
 #            3 rotated rounds; eager engines (no CUDA graphs: no torch.compile in the lease)
+#   faults   the fault matrix (issue 25): FAULT_CASES (default c d e f: prefill hung,
+#            prefill dies before a release, a side-channel flood, the decode that never
+#            comes) in FAULT_VARIANTS (default 1p1d; also 1p2d router router-1p2d noverify)
 #
 # STACK=033 runs the steps on vLLM 0.33.0 (after bash scripts/gpu/install033.sh) with its
 # default model runner (V2) and FlashInfer's sampler off (it JIT-builds on first use, minutes
@@ -98,6 +101,14 @@ for step in "$@"; do
         --serve-args "--max-num-seqs 64" --time-budget "${TIME_BUDGET:-540}" --grace 10 --keep-raw \
         > "$OUT/serve.log" 2>&1
       echo "serve: exit $?"
+      ;;
+    faults)
+      weights
+      # shellcheck disable=SC2086
+      python3 -m benchmarks.gpu.fault_matrix --model-dir "$E2B" --out "$OUT/faults" \
+        --cases ${FAULT_CASES:-c d e f} --variants ${FAULT_VARIANTS:-1p1d} \
+        --time-limit "${TIME_BUDGET:-520}" > "$OUT/faults.log" 2>&1
+      echo "faults: exit $?"
       ;;
     serve2k) serve 2048 64 serve2k ;;
     serve8k) serve 8192 48 serve8k ;;
