@@ -8,6 +8,7 @@ model forward is emulated (it writes a known pattern into the blocks vLLM alloca
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -261,6 +262,49 @@ def test_held_requests_fill_prefills_pool_and_later_prefills_wait_for_the_lease(
     assert waited_behind_a_hold is (kv_blocks == 260)
     assert all(prefill.outputs[n].kv_transfer_params["do_remote_prefill"] for n in names)
     assert sum(s.get("expired_leases", 0) for s in prefill.stats) == 4
+
+
+@pytest.mark.parametrize("held_first", [False, True])
+def test_a_claim_before_prefill_holds_the_request_is_asked_again(engines, tmp_path, held_first):
+    """vLLM hands a finished prefill to the worker one step after it returned the request's
+    kv_transfer_params, so decode may claim before prefill holds the blocks: "not held yet"
+    is asked again until it is, then the load completes (two engines in this process,
+    prefill stepped only when the test says). The control: prefill holds it first, and one
+    claim does."""
+    prefill = engines("g4tiny", "per_layer", "kv_producer", pick_free_port(), {})
+    prefill.add("p0", 300, 1, {"do_remote_decode": True}, 0)
+    prefill.run_until(lambda: "p0" in prefill.outputs, 60)
+    source = prefill.worker.worker.backend.source
+    assert not source.held  # the worker learns of it at prefill's next step
+    if held_first:
+        prefill.step()
+        assert source.held == {"p0"}
+    read_log = tmp_path / "reads.jsonl"
+    decode = engines("g4tiny", "per_layer", "kv_consumer", pick_free_port(),
+                     {"read_log": str(read_log)})  # fmt: skip
+    decode.add("d0", 300, 3, prefill.outputs["p0"].kv_transfer_params, 0)
+    reads = decode.worker.worker.backend.sink.sink._reads  # the sink's reads in flight
+
+    def claims() -> int:
+        return reads["d0"].claims if "d0" in reads else 0
+
+    deadline = time.monotonic() + 60  # decode claims, and claims again (a slow box: bounded)
+    while time.monotonic() < deadline and not (held_first or claims() >= 3):
+        decode.step()
+        time.sleep(0.005)
+    if held_first:
+        decode.run_until(lambda: "d0" in decode.loaded, 60)
+    assert ("d0" in decode.loaded) is held_first  # not held: nothing was read yet
+    prefill.step()  # now prefill holds it (already did, in the control)
+    decode.run_until(lambda: "d0" in decode.outputs, 60)
+    assert decode.loaded == {"d0": []}  # prefill's KV in every layer
+    (record,) = [json.loads(line) for line in read_log.read_text().splitlines()]
+    if held_first:
+        assert record["claims"] == 1
+    else:
+        assert record["claims"] >= 3  # "not held yet", asked again every 10 ms or so
+        assert record["timeline"]["claimed"] - record["timeline"]["asked"] >= 0.02
+    prefill.run_until(lambda: not source.held, 30)  # decode's done notification frees it
 
 
 def test_cross_layer_blocks_pd_transfer(engines):

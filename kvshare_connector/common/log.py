@@ -30,10 +30,12 @@ class LogBudget:
         if now - self._start > self.window_s:
             if self._suppressed:
                 self.logger.log(self.level, "%s: %d more line(s) like these not logged in the "
-                                "last %.0f s", self.subject, self._suppressed, now - self._start)
+                                "last %.0f s", self.subject, self._suppressed, now - self._start,
+                                stacklevel=2)  # fmt: skip
             self._start, self._used, self._suppressed = now, 0, 0
         if self._used < self.lines:
             self._used += 1
-            self.logger.log(self.level, "%s: %s", self.subject, message[: self.max_chars])
+            self.logger.log(self.level, "%s: %s", self.subject, message[: self.max_chars],
+                            stacklevel=2)  # the caller's file and line
         else:
             self._suppressed += 1
