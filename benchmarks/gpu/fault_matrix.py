@@ -85,7 +85,10 @@ COMMON = ["--mode", "faults", "--enforce-eager", "--kv-cache-gib", "2", "--gpu-m
           "--serve-args", "--max-num-seqs 64",
           "--prefill-gpu", "0", "--decode-gpu", "0", "--load-seconds", "20", "--fault-rate", "4",
           "--kill-after", "8", "--restart-after", "2", "--ready-timeout", "300",
-          "--rejoin-timeout", "150", "--bench-timeout", "120", "--grace", "10"]  # fmt: skip
+          "--rejoin-timeout", "150", "--bench-timeout", "120", "--grace", "10",
+          # which UCX protocol each READ took (case b's decode got tcp on 2026-12-03, and
+          # after its restart read other bytes than prefill's pattern: cause not found)
+          "--engine-env", "UCX_LOG_LEVEL=info", "UCX_PROTO_INFO=y"]  # fmt: skip
 BASE_PORT, PORT_STEP = 18000, 100
 SIDE_PORT, SIDE_STEP = 22000, 200  # above the engines' ports of 40 cases, below 32768
 
