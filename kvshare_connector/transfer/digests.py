@@ -86,17 +86,21 @@ class Digester:
         return self._weights[words]
 
     def start(
-        self, topology: KVTopology, block_ids: Sequence[Sequence[int]], after: Copy | None = None
-    ) -> PendingDigests:
+        self, topology: KVTopology, block_ids: Sequence[Sequence[int]], after: Copy | None = None,
+        after_compute: bool = True,
+    ) -> PendingDigests:  # fmt: skip
         """Digest every owner layer's ``block_ids`` (per group; null blocks are skipped),
-        after the copy ``after`` (decode: the scatter into those blocks) if one is given."""
+        after the copy ``after`` (decode: the scatter into those blocks) if one is given,
+        and behind what the compute stream has queued unless ``after_compute`` is False
+        (``Packer._copy`` says when that is right)."""
         import torch
 
         real = [[b for b in ids if b] for ids in block_ids]
         work, indices = self._plan(topology, real)
         stream = self._stream
         if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+            if after_compute:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
             if after is not None and after.event is not None:
                 stream.wait_event(after.event)
         total = sum(w.blocks for w in work)

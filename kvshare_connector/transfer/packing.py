@@ -183,24 +183,33 @@ class Packer:
 
             self._stream = side_stream(staging.buffer.device)
 
-    def gather(self, addr: np.ndarray, length: np.ndarray, slot_offsets: np.ndarray) -> Copy:
-        """Copy runs ``(addr, length)`` of the KV memory to ``slot_offsets`` of the area."""
-        return self._copy(addr, length, slot_offsets, to_staging=True)
+    def gather(
+        self, addr: np.ndarray, length: np.ndarray, slot_offsets: np.ndarray,
+        after_compute: bool = True,
+    ) -> Copy:  # fmt: skip
+        """Copy runs ``(addr, length)`` of the KV memory to ``slot_offsets`` of the area;
+        ``after_compute``: behind what the compute stream has queued (see ``_copy``)."""
+        return self._copy(addr, length, slot_offsets, to_staging=True, wait=after_compute)
 
     def scatter(self, addr: np.ndarray, length: np.ndarray, slot_offsets: np.ndarray) -> Copy:
         """Copy ``slot_offsets`` of the area (``length`` each) back to runs at ``addr``."""
         return self._copy(addr, length, slot_offsets, to_staging=False)
 
     def _copy(
-        self, addr: np.ndarray, length: np.ndarray, staged: np.ndarray, to_staging: bool
-    ) -> Copy:
+        self, addr: np.ndarray, length: np.ndarray, staged: np.ndarray, to_staging: bool,
+        wait: bool = True,
+    ) -> Copy:  # fmt: skip
+        """On the side stream, by default behind all the compute stream has queued. Not
+        waiting is for bytes whose writes are known to be done: with vLLM's async
+        scheduling the next step's forward is queued by then, and waiting for it cost a
+        whole step."""
         import torch
 
         if addr.size == 0:
             return Copy(None)
         device = self.staging.buffer.device
         stream = self._stream
-        if stream is not None:
+        if stream is not None and wait:
             stream.wait_stream(torch.cuda.current_stream(device))
         context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         plans, parts = [], []

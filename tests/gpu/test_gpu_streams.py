@@ -33,3 +33,26 @@ def test_gather_scatter_and_digests_use_the_highest_priority_stream():
     kv[4096 : 4096 + 8192] = 0
     packer.scatter(addr[:1], length[:1], np.array([0], dtype=np.int64)).wait()
     assert torch.equal(kv[4096 : 4096 + 8192], staged[:8192])
+
+
+@pytest.mark.parametrize("after_compute", [False, True])
+def test_a_hold_time_gather_does_not_wait_for_the_queued_forward(after_compute):
+    """Prefill gathers a held request without waiting for the compute stream (the next
+    step's forward, queued by then under async scheduling). A long kernel stands for that
+    forward: without the wait the gather is done while it still runs; the control (the
+    decode side's default) waits for it."""
+    from kvshare_connector.transfer.packing import MemoryMap, Packer, StagingArea
+
+    kv = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda")
+    packer = Packer(MemoryMap([kv]), StagingArea(1 << 20, "cuda"))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of a busy compute stream
+    forward = torch.cuda.Event()
+    forward.record()
+    base = kv.data_ptr()
+    copy = packer.gather(np.array([base], dtype=np.int64), np.array([65536], dtype=np.int64),
+                         np.array([0], dtype=np.int64), after_compute=after_compute)
+    copy.wait()
+    assert forward.query() is after_compute  # the control waited for the "forward"
+    assert torch.equal(packer.staging.buffer[:65536], kv[:65536])
+    torch.cuda.synchronize()
