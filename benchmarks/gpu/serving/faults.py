@@ -136,7 +136,6 @@ class FaultRun:
         self.survivor_probes: list[dict[str, Any]] = []  # plain requests, no KV params
         self.stale: dict[str, Any] = {}
         self.resumed: float | None = None  # monotonic time of the SIGCONT (action stop)
-        self.dropped = 0  # decode legs the proxy dropped so far (action drop)
         self.events: list[dict[str, Any]] = []
         self.stop = threading.Event()
         self._log_offset = 0
@@ -228,8 +227,7 @@ class FaultRun:
                         "fired": False}  # fmt: skip
             return None
         if a.fault_action == "drop":
-            self.dropped = self._front_drops()
-            if self.dropped:
+            if self._front_drops():
                 return {**info, "how": f"proxy drops the decode leg of {drops(a)} requests",
                         "fired": True}  # fmt: skip
             if now >= a.kill_after + FIRE_GRACE_S:
