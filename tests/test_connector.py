@@ -102,7 +102,9 @@ def test_pd_transfer_through_vllm_scheduler(prefill_engine, engines, tmp_path):
     for r in logged:  # the claim's time, split: prefill's share inside decode's round trip
         t = r["timeline"]
         assert 0 <= t["asked"] <= t["claimed"] <= t["posted"] <= t["reported"]
-        assert 0 <= r["prefill_answer_s"] <= t["claimed"] - t["asked"] and r["claims"] >= 1
+        # (the marks and the answer time are rounded to 1 us each)
+        assert 0 <= r["prefill_answer_s"] <= t["claimed"] - t["asked"] + 1e-5
+        assert r["claims"] >= 1
     assert sum(r["bytes"] for r in logged) / 1e6 == pytest.approx(
         sum(s["MB read"] for s in decode.stats), abs=2e-3
     )

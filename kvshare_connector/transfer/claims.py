@@ -116,12 +116,13 @@ class Claims:
                 continue
             verify = batch[0].plan is not None and batch[0].plan.verify
             claim = self._claim([r.order for r in batch], verify)
-            future = _answer(pipe.send(protocol.encode(claim)), key, claim.request_ids)
-            for read in batch:
-                read.claim = future
+            for read in batch:  # before it leaves: the answer may be in before send returns
                 read.claims += 1
                 if "asked" not in read.marks:
                     read.mark("asked")
+            future = _answer(pipe.send(protocol.encode(claim)), key, claim.request_ids)
+            for read in batch:
+                read.claim = future
         return failed
 
     def _claim(self, orders: list[ReadOrder], verify: bool) -> protocol.Claim:
