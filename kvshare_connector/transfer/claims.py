@@ -84,7 +84,7 @@ class Claims:
                     "verify_kv must be on for prefill too"
                 )
             return Grant(reply.packed.get(rid), reply.digests.get(rid), reply.held_s.get(rid),
-                         reply.answer_s, read.claims)  # fmt: skip
+                         reply.answer_s)  # fmt: skip
         if rid in reply.gone:
             raise TransportError(
                 f"prefill {p.remote_engine_id} no longer holds request {rid}'s blocks (read "

@@ -66,7 +66,6 @@ class Grant:
     digests: protocol.KVDigests | None  # prefill's, when verifying
     held_s: float | None  # how long prefill held it before the claim came
     answer_s: float | None = None  # how long prefill took to answer the claim
-    claims: int = 1  # claims it took (a "not held yet" answer, or a busy peer: again)
 
 
 @dataclass
@@ -102,7 +101,7 @@ class Read:
     plan: Plan | None = None
     claim: Future[protocol.ClaimReply] | None = None  # the claim's answer, while asked
     next_claim: float = 0.0  # "not held yet": ask again from then
-    claims: int = 0  # claims sent for it
+    claims: int = 0  # claims sent for it (a "not held yet" answer, or a busy peer: again)
     grant: Grant | None = None
     transfer: Transfer | None = None
     landing: Landing | None = None

@@ -400,7 +400,7 @@ class KVSink:
                 grant.held_s,
                 dict(read.marks),
                 grant.answer_s,
-                grant.claims,
+                read.claims,
             )
         )
 

@@ -310,10 +310,10 @@ class FaultRun:
                 elif back is None and a.fault_action == "stop":
                     back = self.resumed  # set by the timer _fault started
                 elif back is None and a.fault_action == "drop":
-                    if self._front_drops() >= drops(a) or mono - fault >= a.rejoin_timeout:
+                    dropped = self._front_drops()
+                    if dropped >= drops(a) or mono - fault >= a.rejoin_timeout:
                         back = mono
-                        self.event("victim resumed", engine=victim.name,
-                                   dropped=self._front_drops())  # fmt: skip
+                        self.event("victim resumed", engine=victim.name, dropped=dropped)
                 elif back is None and a.fault_action == "flood":
                     if mono - fault >= a.stop_seconds:
                         back = mono
