@@ -19,9 +19,12 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvshare_connector.toolkit import checks
+
+if TYPE_CHECKING:  # imported when serve-pd runs: the CLI starts without it
+    from kvshare_connector.toolkit.launcher import Deployment
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +158,7 @@ def _run_serve_pd(args: argparse.Namespace) -> int:
     return run_foreground(deployment, args.ready_file)
 
 
-def run_foreground(deployment: Any, ready_file: Path | None = None) -> int:
+def run_foreground(deployment: Deployment, ready_file: Path | None = None) -> int:
     """Start, print the endpoint, and block until Ctrl-C/SIGTERM or a server dies."""
     import json
     import signal
