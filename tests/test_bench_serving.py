@@ -30,12 +30,12 @@ FAKE_CMD = (
 )
 PACKAGED = ROOT / "kvshare_connector" / "devtools" / "models" / "g4tiny.json"
 
+
 @pytest.fixture(autouse=True)
 def _no_side_channel_host(monkeypatch):
     """Plans read VLLM_NIXL_SIDE_CHANNEL_HOST; in-process engine tests set it (vLLM reads it
     from the environment): each test here starts without it, whatever ran before."""
     monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_HOST", raising=False)
-
 
 
 def _arg(argv: list[str], flag: str) -> str:
@@ -314,6 +314,23 @@ def write_raw(out: Path, lengths: tuple[int, ...] = (64,)) -> None:
                                   "descriptors": 0, "blocks": 0, "seconds": 0.0})  # fmt: skip
                 t += 10
     (raw / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+    # verify_kv's counters: per engine its last snapshot counts (cumulative over its life).
+    snaps = [
+        {
+            "deployment": "ours",
+            "tag": tag,
+            "engines": {
+                "ours-prefill0": {"up": True, "requests": 0.0, "kvshare": {"holds_total": n}},
+                "ours-decode0": {
+                    "up": True,
+                    "requests": n,
+                    "kvshare": {"verified_loads_total": n, "verify_failures_total": n // 10},
+                },
+            },
+        }
+        for tag, n in (("after-warmup", 4.0), ("r0", 24.0), ("r1", 44.0))
+    ] + [{"deployment": "nixl", "tag": "r0", "engines": {"nixl-decode0": {"up": False}}}]
+    (raw / "engine_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in snaps))
     (raw / "reads" / "ours.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reads) + "{cut")
 
 
@@ -344,6 +361,8 @@ def test_report_from_tarball(tmp_path: Path) -> None:
     results = json.loads((out / "results.json").read_text())
     assert len(results["runs"]) == 6 and results["points"][0]["input_len"] == 64
     assert not (out / "scaling.png").exists()  # one point: no curve
+    assert summary["verify_kv"] == {"ours": {"verified": 44.0, "failures": 4.0}}
+    assert "- ours: 44 loads verified, 4 refused" in text
 
 
 def test_report_scaling_plot_and_failed_run(tmp_path: Path) -> None:

@@ -11,6 +11,11 @@
 #            cudaMalloc memory anything next to cuda_ipc zero-copy, and what it gives VMM
 #   kvx      kv_exact e2b/plain, prefill and decode on GPU 0, verify_kv on (byte-exact KV,
 #            scrambled and tampered controls), with the lane the connector chose
+#   gputests tests/gpu/test_gpu_streams.py (pytest's wheels carried in .gpu/pytest:
+#            pip download --no-deps -d .gpu/pytest pytest pluggy iniconfig pygments)
+#   loads    verify_kv's false-alarm count (issue 26): one PD deployment with verify_kv on
+#            (its default), LOADS (default 1100) random 1k prompts at concurrency 32, 2
+#            tokens out; loads/summary.md counts the loads verified and refused
 #   serve2k  vllm serve + vllm bench serve: ours (packed), NixlConnector, colocated; 2k in,
 #            concurrency 16, 3 rounds rotated, all up at once; read timelines kept
 #   serve8k  the same at 8k (48 prompts per round)
@@ -109,6 +114,23 @@ for step in "$@"; do
         --cases ${FAULT_CASES:-c d e f} --variants ${FAULT_VARIANTS:-1p1d} \
         --time-limit "${TIME_BUDGET:-520}" > "$OUT/faults.log" 2>&1
       echo "faults: exit $?"
+      ;;
+    gputests)
+      python3 -m pip install -q --no-index --no-deps --target /tmp/pytest-site .gpu/pytest/*.whl \
+        > "$OUT/gputests.log" 2>&1
+      PYTHONPATH="/tmp/pytest-site:$PYTHONPATH" python3 -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_gpu_streams.py >> "$OUT/gputests.log" 2>&1
+      echo "gputests: exit $?"
+      ;;
+    loads)
+      weights
+      python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/loads" \
+        --deployments ours --prefill-gpu 0 --decode-gpu 0 --gpu-mem 0.1 --kv-cache-gib 4 \
+        --enforce-eager --input-len 1024 --concurrency 32 --num-prompts "${LOADS:-1100}" \
+        --output-len 2 --rounds 1 --no-shape-warmup --warmup-requests 4 \
+        --serve-args "--max-num-seqs 64" --time-budget "${TIME_BUDGET:-300}" --grace 10 \
+        --bench-timeout 240 --keep-raw > "$OUT/loads.log" 2>&1
+      echo "loads: exit $?"
       ;;
     serve2k) serve 2048 64 serve2k ;;
     serve8k) serve 8192 48 serve8k ;;

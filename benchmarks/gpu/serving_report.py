@@ -138,7 +138,8 @@ def collect(files: dict[str, bytes]) -> dict[str, Any]:
             rec["reads"] = stats
         runs.append(rec)
     return {"meta": meta, "deployments": deployments, "runs": runs, "skipped": skipped,
-            "checks": _checks(files), "engines": _engine_requests(files)}  # fmt: skip
+            "checks": _checks(files), "engines": _engine_requests(files),
+            "verify_kv": _verify_counts(files)}  # fmt: skip
 
 
 def _checks(files: dict[str, bytes]) -> dict[str, Any]:
@@ -172,6 +173,22 @@ def _engine_requests(files: dict[str, bytes]) -> dict[str, dict[str, Any]]:
     for (dep, engine), value in sorted(last.items()):
         out.setdefault(dep, {})[engine] = value - first.get((dep, engine), 0.0)
     return out
+
+
+def _verify_counts(files: dict[str, bytes]) -> dict[str, dict[str, float]]:
+    """Per deployment, verify_kv's loads verified and refused over its engines' lifetimes
+    (warmup included: every one is an untampered load), from the last snapshot of each."""
+    last: dict[tuple[str, str], dict[str, float]] = {}
+    for snap in _jsonl(files.get("engine_metrics.jsonl")):
+        for engine, summary in snap["engines"].items():
+            if summary.get("kvshare"):
+                last[(snap["deployment"], engine)] = summary["kvshare"]
+    out: dict[str, dict[str, float]] = {}
+    for (dep, _), ours in sorted(last.items()):
+        row = out.setdefault(dep, {"verified": 0.0, "failures": 0.0})
+        row["verified"] += ours.get("verified_loads_total", 0.0)
+        row["failures"] += ours.get("verify_failures_total", 0.0)
+    return {dep: row for dep, row in out.items() if row["verified"] or row["failures"]}
 
 
 def _spread(values: list[float]) -> dict[str, float] | None:
@@ -228,6 +245,7 @@ def aggregate(collected: dict[str, Any]) -> dict[str, Any]:
         ],
         "checks": collected.get("checks", {}),
         "engines": collected.get("engines", {}),
+        "verify_kv": collected.get("verify_kv", {}),
         "routers": {n: d.get("router") for n, d in collected["deployments"].items()},
     }
 
@@ -323,6 +341,18 @@ def _checks_md(summary: dict[str, Any]) -> list[str]:
                   ""]  # fmt: skip
         for dep, counts in sorted(engines.items()):
             lines.append(f"- {dep}: " + ", ".join(f"{e} {v:.0f}" for e, v in counts.items()))
+        lines.append("")
+    verify = summary.get("verify_kv") or {}
+    if verify:
+        lines += [
+            "verify_kv over each deployment's run, warmup included "
+            "(`vllm:kvshare_verified_loads_total` / `_verify_failures_total`):",
+            "",
+        ]
+        for dep, row in sorted(verify.items()):
+            lines.append(
+                f"- {dep}: {row['verified']:.0f} loads verified, {row['failures']:.0f} refused"
+            )
         lines.append("")
     return lines
 
