@@ -115,14 +115,6 @@ VARIANTS: dict[str, tuple[bool, bool, float, float, float | None]] = {
     "after, beside neighbour agents sleeping (poll 1 ms)": (True, True, 1.0, 2.0, 1.0),
 }
 
-_IDLE_AGENT = """
-import sys
-from kvshare_connector.transfer.nixl import NixlTransport
-agent = NixlTransport(sys.argv[1], progress_thread=True, progress_poll_ms=float(sys.argv[2]))
-print("up", flush=True)
-sys.stdin.read()
-"""
-
 
 @contextmanager
 def neighbours(count: int, poll_ms: float | None) -> Iterator[None]:
@@ -132,7 +124,8 @@ def neighbours(count: int, poll_ms: float | None) -> Iterator[None]:
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
         for i in range(count):
             procs.append(subprocess.Popen(
-                [sys.executable, "-c", _IDLE_AGENT, f"neighbour-{i}", str(poll_ms)], env=env,
+                [sys.executable, "-m", "kvshare_connector.devtools.idle_agent", f"neighbour-{i}",
+                 str(poll_ms)], env=env,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                 text=True,
             ))  # fmt: skip
@@ -202,10 +195,12 @@ def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> i
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--step-ms", type=float, default=5.0, help="decode's step")
     parser.add_argument("--prefill-busy-ms", type=float, default=20.0)
-    parser.add_argument("--neighbours", type=int, default=1,
-                        help="idle NIXL agents beside the last two variants")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="write claim_latency.md and claim_latency.json there")
+    parser.add_argument(
+        "--neighbours", type=int, default=1, help="idle NIXL agents beside the last two variants"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="write claim_latency.md and claim_latency.json there"
+    )
     args = parser.parse_args(argv)
     result = run(args)
     text = table(result)

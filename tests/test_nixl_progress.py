@@ -30,16 +30,6 @@ from kvshare_connector.transfer.nixl import (
 ROOT = Path(__file__).resolve().parents[1]
 NBYTES = 4 << 20
 
-IDLE = r"""
-import sys, time
-from kvshare_connector.transfer.nixl import NixlTransport
-transport = NixlTransport("idle", progress_thread=True, progress_poll_ms=float(sys.argv[1]))
-time.sleep(0.3)
-cpu, wall = time.process_time(), time.monotonic()
-time.sleep(1.5)
-print((time.process_time() - cpu) / (time.monotonic() - wall), flush=True)
-"""
-
 # Registers a pattern, prints where it is, then only sleeps until its stdin closes.
 TARGET = r"""
 import json, sys
@@ -62,8 +52,14 @@ def _child(code: str, *argv: str, env: dict[str, str] | None = None, **kw: Any) 
 
 
 def _idle_cores(poll_ms: float) -> float:
-    out, _ = _child(IDLE, str(poll_ms)).communicate(timeout=120)
-    return float(out.strip().splitlines()[-1])
+    """An idle agent's CPU use, in cores (``devtools/idle_agent.py``)."""
+    environ = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "kvshare_connector.devtools.idle_agent", "idle", str(poll_ms),
+            "--cpu-seconds", "1.5"]  # fmt: skip
+    out, _ = subprocess.Popen(argv, env=environ, text=True, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE).communicate(timeout=120)  # fmt: skip
+    (line,) = [x for x in out.splitlines() if x.startswith("cpu ")]  # NIXL logs to stdout too
+    return float(line.split()[1])
 
 
 def test_idle_progress_thread_sleeps_and_the_busy_poll_control_spins():
