@@ -40,17 +40,38 @@ class ProbeError(TransportError):
 
 
 class ProbeBuffer:
-    """A registered buffer on ``device``: prefill's holds the pattern, decode's receives it."""
+    """A registered buffer on ``device``: prefill's holds the pattern, decode's receives it.
+
+    Its writes and its check run on a stream of its own, each waited for before it returns.
+    The transport's copies do not order with the engine's streams: a clear queued behind a
+    forward on the engine's stream ran after the READ had landed and wiped it (seen on one
+    busy H200 as "other bytes than prefill's pattern"), and a pattern queued there could
+    still be unwritten when a peer reads it."""
 
     def __init__(self, nbytes: int, device: Any, seed: int | None = None):
         import torch
 
         self.nbytes = (nbytes // 8) * 8
         self.device = torch.device(device)
-        self.tensor = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
+        cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if cuda else None
+        self.tensor = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self.seed = seed
         if seed is not None:
-            self.tensor.view(torch.int64).copy_(self._pattern(seed))
+            self._run(lambda: self.tensor.view(torch.int64).copy_(self._pattern(seed)))
+        else:
+            self.clear()
+
+    def _run(self, work: Any) -> Any:
+        """``work()`` on the buffer's own stream, finished before this returns."""
+        if self._stream is None:
+            return work()
+        import torch
+
+        with torch.cuda.stream(self._stream):
+            out = work()
+        self._stream.synchronize()
+        return out
 
     def _pattern(self, seed: int) -> Any:
         import torch
@@ -68,10 +89,16 @@ class ProbeBuffer:
         import torch
 
         words = nbytes // 8
-        return bool(torch.equal(self.tensor.view(torch.int64)[:words], self._pattern(seed)[:words]))
+        return bool(
+            self._run(
+                lambda: torch.equal(
+                    self.tensor.view(torch.int64)[:words], self._pattern(seed)[:words]
+                )
+            )
+        )
 
     def clear(self) -> None:
-        self.tensor.zero_()
+        self._run(self.tensor.zero_)
 
 
 class LaneProbe:
