@@ -153,6 +153,9 @@ def test_fault_mode_kills_and_restarts_prefill(tmp_path: Path, monkeypatch: Any)
     # The outage shows: requests failed (503 from the proxy) while prefill was down.
     assert summary["bench"]["failed"] > 0 and any("503" in e for e in summary["bench_errors"])
     assert summary["measured"]["fault_to_first_good_s"] > 0
+    # Probes go on after the victim is back until one is good: recovery is measured.
+    recovery = summary["measured"]["healthy_to_first_good_s"]
+    assert recovery is not None and recovery < faults.RECOVERY_WAIT_S
     text = (out / "faults.md").read_text()
     assert "| victim_rejoined | PASS |" in text and "victim restarted" in text
     with tarfile.open(out / "raw.tar.gz") as tar:

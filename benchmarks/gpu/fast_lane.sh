@@ -53,6 +53,14 @@ weights() {
     --model gemma4_e2b_shape --dest "$WEIGHTS" > "$OUT/weights.log" 2>&1
 }
 
+pack() {  # DIR: the device call returns a limited number of files: the whole of DIR goes
+          # back as DIR.tgz, and DIR keeps only its top-level tables (md, json, png)
+  [ -d "$OUT/$1" ] || return 0
+  tar czf "$OUT/$1.tgz" -C "$OUT" "$1" &&
+    find "$OUT/$1" -mindepth 1 -maxdepth 1 ! \( -type f \( -name '*.md' -o -name '*.json' \
+      -o -name '*.png' \) \) -exec rm -rf {} +
+}
+
 serve() {  # LEN PROMPTS NAME
   weights
   python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/$3" \
@@ -60,7 +68,7 @@ serve() {  # LEN PROMPTS NAME
     --gpu-mem 0.13 --kv-cache-gib 5 --input-len "$1" --concurrency 16 --num-prompts "$2" \
     --output-len 64 --rounds 3 --warmup-requests 4 --time-budget "${TIME_BUDGET:-330}" --grace 10 --keep-raw \
     > "$OUT/$3.log" 2>&1
-  echo "$3: exit $?"
+  rc=$?; echo "$3: exit $rc"; pack "$3"
 }
 
 for step in "$@"; do
@@ -84,7 +92,7 @@ for step in "$@"; do
       # shellcheck disable=SC2086
       python3 -m gpu_checks.kv_exact run --out "$OUT/kvx" --cells ${KVX_CELLS:-e2b/plain} \
         --gpus 1 --verify --timeout 420 > "$OUT/kvx.log" 2>&1
-      echo "kvx: exit $?"
+      rc=$?; echo "kvx: exit $rc"; pack kvx
       ;;
     serve)
       weights
@@ -105,7 +113,7 @@ for step in "$@"; do
         --prompts-per-slot 2 --min-prompts 4 --output-len 32 --rounds 3 --warmup-requests 4 \
         --serve-args "--max-num-seqs 64" --time-budget "${TIME_BUDGET:-540}" --grace 10 --keep-raw \
         > "$OUT/serve.log" 2>&1
-      echo "serve: exit $?"
+      rc=$?; echo "serve: exit $rc"; pack serve
       ;;
     faults)
       weights
@@ -113,7 +121,7 @@ for step in "$@"; do
       python3 -m benchmarks.gpu.fault_matrix --model-dir "$E2B" --out "$OUT/faults" \
         --cases ${FAULT_CASES:-c d e f} --variants ${FAULT_VARIANTS:-1p1d} \
         --time-limit "${TIME_BUDGET:-520}" > "$OUT/faults.log" 2>&1
-      echo "faults: exit $?"
+      rc=$?; echo "faults: exit $rc"; pack faults
       ;;
     gputests)
       python3 -m pip install -q --no-index --no-deps --target /tmp/pytest-site .gpu/pytest/*.whl \
@@ -130,7 +138,7 @@ for step in "$@"; do
         --output-len 2 --rounds 1 --no-shape-warmup --warmup-requests 4 \
         --serve-args "--max-num-seqs 64" --time-budget "${TIME_BUDGET:-300}" --grace 10 \
         --bench-timeout 240 --keep-raw > "$OUT/loads.log" 2>&1
-      echo "loads: exit $?"
+      rc=$?; echo "loads: exit $rc"; pack loads
       ;;
     serve2k) serve 2048 64 serve2k ;;
     serve8k) serve 8192 48 serve8k ;;

@@ -49,6 +49,9 @@ from kvshare_connector.toolkit.procs import ManagedProcess
 
 FIRE_GRACE_S = 30.0  # a failpoint not fired by --kill-after + this: SIGKILL instead
 CHECK_PROMPTS = 8
+#: After the victim rejoins, front probes go on until one is good (or this long), so the
+#: time from "healthy" to the first good PD request is measured, not left to the load.
+RECOVERY_WAIT_S = 30.0
 
 
 def _probe(
@@ -153,6 +156,12 @@ class FaultRun:
             summary["counters"] = {k: v for k, v in ours.items() if k.endswith("_total")}
             engines[e.name] = summary
         self.samples.append({"time": time.time(), "engines": engines})
+
+    def _good_probe_since(self, mono: float) -> bool:
+        """A front probe finished well after ``mono`` (a monotonic time)."""
+        since = time.time() - (time.monotonic() - mono)
+        return any(p["time"] + p["seconds"] >= since and p.get("status") == 200
+                   and not p.get("kv_load_error") for p in list(self.probes))  # fmt: skip
 
     def _probe_loop(self, url: str, into: list[dict[str, Any]], offset: int) -> None:
         seq = offset
@@ -330,8 +339,16 @@ class FaultRun:
                     self.event("restarted victim exited", log=str(new_proc.log_path))
                     break
                 self.sample()
-                waiting = fault is None or back is None or (
-                    rejoined is None and mono - back < a.rejoin_timeout)
+                waiting = (
+                    fault is None
+                    or back is None
+                    or (rejoined is None and mono - back < a.rejoin_timeout)
+                    or (
+                        rejoined is not None
+                        and not self._good_probe_since(rejoined)
+                        and mono - rejoined < RECOVERY_WAIT_S
+                    )
+                )
                 if not load.is_alive() and not waiting:
                     break
                 time.sleep(a.sample_interval)
