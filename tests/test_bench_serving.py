@@ -314,22 +314,27 @@ def write_raw(out: Path, lengths: tuple[int, ...] = (64,)) -> None:
                                   "descriptors": 0, "blocks": 0, "seconds": 0.0})  # fmt: skip
                 t += 10
     (raw / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
-    # verify_kv's counters: per engine its last snapshot counts (cumulative over its life).
-    snaps = [
-        {
-            "deployment": "ours",
-            "tag": tag,
-            "engines": {
-                "ours-prefill0": {"up": True, "requests": 0.0, "kvshare": {"holds_total": n}},
-                "ours-decode0": {
-                    "up": True,
-                    "requests": n,
-                    "kvshare": {"verified_loads_total": n, "verify_failures_total": n // 10},
-                },
-            },
+
+    # Per engine its last snapshot counts for verify_kv (cumulative over its life); a run's
+    # vLLM latency means are the delta of the snapshot after it and the one before.
+    def snap(tag: str, n: float, ttft_s: float) -> dict[str, Any]:
+        decode = {
+            "up": True,
+            "requests": n,
+            "seconds": {"ttft": [ttft_s, n], "queue": [None, n]},
+            "kvshare": {"verified_loads_total": n, "verify_failures_total": n // 10},
         }
-        for tag, n in (("after-warmup", 4.0), ("r0", 24.0), ("r1", 44.0))
-    ] + [{"deployment": "nixl", "tag": "r0", "engines": {"nixl-decode0": {"up": False}}}]
+        return {"deployment": "ours", "tag": tag, "engines": {
+            "ours-prefill0": {"up": True, "requests": 0.0, "kvshare": {"holds_total": n}},
+            "ours-decode0": decode}}  # fmt: skip
+
+    snaps, n, ttft_s = [snap("after-warmup", 4.0, 0.4)], 4.0, 0.4
+    for run in runs:
+        if run["deployment"] == "ours" and not run["warmup"]:
+            n, ttft_s = n + 20, ttft_s + 20 * 0.05 * (1 + run["round"])  # 50 ms, then 100
+            snaps.append(snap(f"run:{run['file']}", n, ttft_s))
+    snaps[-1]["engines"]["ours-decode0"]["kvshare"]["verify_failures_total"] = 4.0
+    snaps.append({"deployment": "nixl", "tag": "end", "engines": {"nixl-decode0": {"up": False}}})
     (raw / "engine_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in snaps))
     (raw / "reads" / "ours.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reads) + "{cut")
 
@@ -362,6 +367,10 @@ def test_report_from_tarball(tmp_path: Path) -> None:
     assert len(results["runs"]) == 6 and results["points"][0]["input_len"] == 64
     assert not (out / "scaling.png").exists()  # one point: no curve
     assert summary["verify_kv"] == {"ours": {"verified": 44.0, "failures": 4.0}}
+    (cell,) = ours["engine_ms"].items()  # the queue's sum is missing: left out
+    assert cell[0] == "ours-decode0 ttft" and cell[1]["n"] == 2
+    assert [cell[1][k] for k in ("median", "min", "max")] == pytest.approx([75.0, 50.0, 100.0])
+    assert "- ours: ours-decode0 ttft 75.0 (50.0-100.0)" in text
     assert "- ours: 44 loads verified, 4 refused" in text
 
 

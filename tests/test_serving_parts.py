@@ -32,6 +32,9 @@ vllm:kvshare_read_seconds_count{engine="0",model_name="m"} 42.0
 vllm:kvshare_failed_loads_total{engine="0",model_name="m"} 1.0
 vllm:kvshare_failed_loads_created{engine="0",model_name="m"} 1.7e9
 vllm:gpu_cache_other 9
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="m"} 30.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 4.2
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 42.0
 """
 
 
@@ -45,6 +48,9 @@ def test_prometheus_parse_and_engine_summary() -> None:
     summary = metrics.engine_summary(series)
     assert (summary["requests"], summary["kv_cache_usage"], summary["running"]) == (42.0, 0.25, 3.0)
     assert summary["kvshare"] == {"read_seconds_count": 42.0, "failed_loads_total": 1.0}
+    assert summary["seconds"]["ttft"] == [4.2, 42.0]  # sum, count (buckets not kept)
+    assert summary["seconds"]["queue"] == [None, None]
+    assert not any("_bucket" in k and "time_to_first" in k for k in series)
     assert metrics.engine_summary(None) == {"up": False}
 
 

@@ -22,6 +22,13 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks.gpu.serving.engine_stats import (
+    engine_requests,
+    engine_seconds,
+    jsonl,
+    verify_counts,
+)
+
 RAW = "raw"
 TARBALL = "raw.tar.gz"
 #: (key in vllm bench serve's result JSON, column header); all higher-is-better come first.
@@ -69,18 +76,6 @@ def pack(out: Path, keep: bool) -> None:
         shutil.rmtree(out / RAW)
 
 
-def _jsonl(data: bytes | None) -> list[dict[str, Any]]:
-    rows = []
-    for line in (data or b"").decode(errors="replace").splitlines():
-        line = line.strip()
-        if line:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut short by a killed engine
-    return rows
-
-
 def read_stats(reads: list[dict[str, Any]], start: float, end: float) -> dict[str, float]:
     """READs (with bytes) whose finish time falls in [start, end]: bandwidth as total
     bytes over total READ seconds, the median READ time, descriptors per READ."""
@@ -107,15 +102,16 @@ def _read_logs(info: dict[str, Any]) -> list[str]:
 def collect(files: dict[str, bytes]) -> dict[str, Any]:
     """One record per timed run: its manifest entry, vLLM's metrics, our READ stats; runs
     the time budget left out go to ``skipped``."""
-    manifest = _jsonl(files.get("runs.jsonl"))
+    manifest = jsonl(files.get("runs.jsonl"))
     deployments = json.loads(files.get("deployments.json", b"{}"))
     meta = json.loads(files.get("meta.json", b"{}"))
     reads: dict[str, list[dict[str, Any]]] = {}
     for name, info in deployments.items():
         logs = _read_logs(info)
         if logs:
-            reads[name] = [r for log in logs for r in _jsonl(files.get(log))]
+            reads[name] = [r for log in logs for r in jsonl(files.get(log))]
     runs, skipped = [], []
+    engine_ms = engine_seconds(files)
     for entry in manifest:
         if entry.get("warmup"):
             continue
@@ -130,6 +126,7 @@ def collect(files: dict[str, bytes]) -> dict[str, Any]:
             rec["metrics"] = {k: data.get(k) for k, _ in METRICS}
             rec["metrics"]["failed"] = data.get("failed")
             rec["metrics"]["completed"] = data.get("completed")
+        rec["engine_ms"] = engine_ms.get(entry["file"], {})
         if entry["deployment"] in reads:
             stats = read_stats(reads[entry["deployment"]], entry["start"], entry["end"])
             done = (rec.get("metrics") or {}).get("completed") or 0
@@ -138,8 +135,8 @@ def collect(files: dict[str, bytes]) -> dict[str, Any]:
             rec["reads"] = stats
         runs.append(rec)
     return {"meta": meta, "deployments": deployments, "runs": runs, "skipped": skipped,
-            "checks": _checks(files), "engines": _engine_requests(files),
-            "verify_kv": _verify_counts(files)}  # fmt: skip
+            "checks": _checks(files), "engines": engine_requests(files),
+            "verify_kv": verify_counts(files)}  # fmt: skip
 
 
 def _checks(files: dict[str, bytes]) -> dict[str, Any]:
@@ -153,42 +150,6 @@ def _checks(files: dict[str, bytes]) -> dict[str, Any]:
     for name, frac in agree.items():
         out.setdefault(name, {})["agreement"] = frac
     return out
-
-
-def _engine_requests(files: dict[str, bytes]) -> dict[str, dict[str, Any]]:
-    """Per deployment and engine, requests it served between the warmup and the end (from
-    ``vllm:request_success_total``): shows how a router spread the load."""
-    first: dict[tuple[str, str], float] = {}
-    last: dict[tuple[str, str], float] = {}
-    for snap in _jsonl(files.get("engine_metrics.jsonl")):
-        for engine, summary in snap["engines"].items():
-            key = (snap["deployment"], engine)
-            if summary.get("requests") is None:
-                continue
-            if snap["tag"] == "after-warmup":
-                first[key] = summary["requests"]
-            else:
-                last[key] = summary["requests"]
-    out: dict[str, dict[str, Any]] = {}
-    for (dep, engine), value in sorted(last.items()):
-        out.setdefault(dep, {})[engine] = value - first.get((dep, engine), 0.0)
-    return out
-
-
-def _verify_counts(files: dict[str, bytes]) -> dict[str, dict[str, float]]:
-    """Per deployment, verify_kv's loads verified and refused over its engines' lifetimes
-    (warmup included: every one is an untampered load), from the last snapshot of each."""
-    last: dict[tuple[str, str], dict[str, float]] = {}
-    for snap in _jsonl(files.get("engine_metrics.jsonl")):
-        for engine, summary in snap["engines"].items():
-            if summary.get("kvshare"):
-                last[(snap["deployment"], engine)] = summary["kvshare"]
-    out: dict[str, dict[str, float]] = {}
-    for (dep, _), ours in sorted(last.items()):
-        row = out.setdefault(dep, {"verified": 0.0, "failures": 0.0})
-        row["verified"] += ours.get("verified_loads_total", 0.0)
-        row["failures"] += ours.get("verify_failures_total", 0.0)
-    return {dep: row for dep, row in out.items() if row["verified"] or row["failures"]}
 
 
 def _spread(values: list[float]) -> dict[str, float] | None:
@@ -217,6 +178,12 @@ def aggregate(collected: dict[str, Any]) -> dict[str, Any]:
                 row[key] = _spread([r["metrics"][key] for r in good])
             for key, _ in READ_METRICS:
                 row[key] = _spread([r["reads"].get(key) for r in good if r.get("reads")])
+            cells = sorted({(e, k) for r in good for e, ms in r.get("engine_ms", {}).items()
+                            for k in ms})  # fmt: skip
+            row["engine_ms"] = {
+                f"{e} {k}": _spread([r["engine_ms"].get(e, {}).get(k) for r in good])
+                for e, k in cells
+            }
             deps[name] = row
         ratios: dict[str, dict[str, dict[str, float | None]]] = {}
         base = {k: [n for n in deps if kinds.get(n) == k] for k in ("nixl", "colocated")}
@@ -314,8 +281,23 @@ def markdown(summary: dict[str, Any]) -> str:
                     + " | ".join("n/a" if v is None else f"{v:.3f}" for v in vals)
                     + " |"
                 )
+        lines += _engine_ms_md(point)
         lines.append("")
     return "\n".join(lines)
+
+
+def _engine_ms_md(point: dict[str, Any]) -> list[str]:
+    """vLLM's own per-engine means of the point (where a PD request's TTFT went: prefill's
+    engine, then decode's from its server's arrival)."""
+    rows = [(n, r["engine_ms"]) for n, r in point["deployments"].items() if r.get("engine_ms")]
+    if not rows:
+        return []
+    lines = ["", "vLLM's per-engine means over each run, ms (median over rounds): TTFT from the "
+             "engine's server's arrival, time queued, prefill time", ""]  # fmt: skip
+    for name, cells in rows:
+        text = ", ".join(f"{k} {_cell(v, 1)}" for k, v in cells.items() if v)
+        lines.append(f"- {name}: {text}")
+    return lines
 
 
 def _checks_md(summary: dict[str, Any]) -> list[str]:

@@ -15,6 +15,11 @@ from typing import Any
 
 import httpx
 
+#: vLLM's own latency histograms, kept as (sum, count): the delta of two snapshots is the
+#: mean per engine over what happened between them (a decode's TTFT runs from the
+#: arrival at its own server, so PD's decode leg shows apart from the prefill leg).
+SECONDS = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
+           "prefill": "vllm:request_prefill_time_seconds"}  # fmt: skip
 KEEP = (
     "vllm:kv_cache_usage_perc",
     "vllm:num_requests_running",
@@ -23,6 +28,7 @@ KEEP = (
     "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total",
     "vllm:kvshare_",
+    *(f"{name}_{part}" for name in SECONDS.values() for part in ("sum", "count")),
 )
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -82,4 +88,6 @@ def engine_summary(series: dict[str, float] | None) -> dict[str, Any]:
         "running": total(series, "vllm:num_requests_running"),
         "waiting": total(series, "vllm:num_requests_waiting"),
         "kvshare": ours,
-    }
+        "seconds": {k: [total(series, f"{name}_sum"), total(series, f"{name}_count")]
+                    for k, name in SECONDS.items()},
+    }  # fmt: skip

@@ -167,6 +167,8 @@ class Runner:
             self.durations.append(run["end"] - run["start"])
         with open(self.raw / "runs.jsonl", "a") as f:
             f.write(json.dumps(run) + "\n")
+        if not run["warmup"]:
+            self.snapshot(p, f"run:{run['file']}")  # this run's engine means: since the last
         print(f"[bench] {stem}: rc {rc} in {run['end'] - run['start']:.0f}s", flush=True)
 
     def skip(self, p: Planned, run: dict[str, Any], why: str) -> None:
