@@ -266,6 +266,40 @@ def test_failpoint_drops_the_decode_leg_naming_it(monkeypatch: Any) -> None:
     assert decodes[0].state.hits["completions"] == 2  # the dropped one never reached it
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_backend_that_refuses_connections_is_passed_over(stream: bool, caplog: Any) -> None:
+    """One prefill and one decode of two are down (a killed engine): every request goes
+    through the others, each dead one is tried once and then passed over for a while."""
+    dead_p, dead_d = (f"http://127.0.0.1:{pick_free_port()}" for _ in range(2))
+    with fake_server("prefill") as pre, fake_server("decode") as dec:
+        app = create_app([dead_p, pre.url], [dec.url, dead_d], FAST)
+        with ThreadServer(app) as px, caplog.at_level("WARNING"):
+            codes = [httpx.post(px.url + "/v1/completions", timeout=10,
+                                json={"prompt": f"{i} + 1", "max_tokens": 4, "stream": stream}
+                                ).status_code for i in range(6)]  # fmt: skip
+    assert codes == [200] * 6
+    assert pre.state.hits["completions"] == dec.state.hits["completions"] == 6
+    assert pre.state.issued == {}  # every decode pulled what its prefill held
+    passed_over = [r.getMessage() for r in caplog.records if "trying another" in r.getMessage()]
+    assert len(passed_over) == 2, passed_over  # once each, then skipped while down
+    assert any(dead_p in m and "prefill server" in m for m in passed_over)
+    assert any(dead_d in m and "decode server" in m for m in passed_over)
+
+
+def test_only_a_refused_connection_is_tried_elsewhere() -> None:
+    """A decode that answered 500 may have run the request: the error comes back, the
+    other decode never sees it (the control for the failover above)."""
+    with (
+        fake_server("prefill") as pre,
+        fake_server("decode", fail_mode="error500") as bad,
+        fake_server("decode") as good,
+        ThreadServer(create_app([pre.url], [bad.url, good.url], FAST)) as px,
+    ):
+        resp = httpx.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert resp.status_code == 502 and _error(resp)["server"] == bad.url
+    assert bad.state.hits["completions"] == 1 and good.state.hits["completions"] == 0
+
+
 @pytest.mark.parametrize(
     ("mode", "needle"),
     [("garbage", "non-JSON"), ("no_kv", "without kv_transfer_params"), ("error500", "HTTP 500")],

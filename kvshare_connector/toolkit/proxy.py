@@ -19,10 +19,10 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
@@ -42,6 +42,7 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
     "remote_port": None,
 }
 REQUEST_ID_HEADER = "X-Request-Id"
+T = TypeVar("T")
 _FORWARDED_HEADERS = ("authorization",)
 
 
@@ -61,18 +62,29 @@ class ProxyTimeouts:
 
 
 class RoundRobin:
-    """Cycles over backend URLs. The proxy runs on one event loop, so no lock is needed."""
+    """Cycles over backend URLs, passing over one that refused a connection for
+    ``down_s`` seconds (while another is left). The proxy runs on one event loop, so no
+    lock is needed."""
 
-    def __init__(self, urls: Sequence[str]) -> None:
+    def __init__(self, urls: Sequence[str], down_s: float = 5.0) -> None:
         if not urls:
             raise ValueError("need at least one backend URL")
         self.urls = [u.rstrip("/") for u in urls]
+        self.down_s = down_s
         self._next = 0
+        self._down_until: dict[str, float] = {}
 
-    def pick(self) -> str:
-        url = self.urls[self._next % len(self.urls)]
+    def pick(self, tried: Collection[str] = ()) -> str:
+        """The next URL not in ``tried``, one marked down only when no other is left."""
+        order = [self.urls[(self._next + i) % len(self.urls)] for i in range(len(self.urls))]
         self._next += 1
-        return url
+        fresh = [u for u in order if u not in tried]
+        now = time.monotonic()
+        up = [u for u in fresh if self._down_until.get(u, 0.0) <= now]
+        return (up or fresh or order)[0]
+
+    def mark_down(self, url: str) -> None:
+        self._down_until[url] = time.monotonic() + self.down_s
 
 
 class ProxyError(Exception):
@@ -201,6 +213,28 @@ class PDProxy:
             raise RuntimeError("proxy HTTP client not started (app lifespan not running)")
         return self.client
 
+    async def _failover(
+        self,
+        pool: RoundRobin,
+        request_id: str,
+        leg: Callable[[str], Awaitable[T]],
+        first: str | None = None,
+    ) -> tuple[T, str]:
+        """``leg(url)`` on ``first`` or the next backend of ``pool``; a backend that refused
+        the connection (the request never reached it) is passed over for a while and the
+        leg goes to the next one, until each was tried once."""
+        tried: list[str] = []
+        while True:
+            url = first if first is not None and not tried else pool.pick(tried)
+            try:
+                return await leg(url), url
+            except ProxyError as exc:
+                tried.append(url)
+                if exc.kind != "backend_unreachable" or len(tried) >= len(pool.urls):
+                    raise
+                pool.mark_down(url)
+                logger.warning("req=%s %s; trying another", request_id, exc.message)
+
     async def _post(
         self, side: str, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
     ) -> httpx.Response:
@@ -302,19 +336,13 @@ class PDProxy:
             )
         headers = {REQUEST_ID_HEADER: request_id}
         headers.update(forwarded_headers(request.headers))
-        prefill_url, decode_url = self.prefill.pick(), self.decode.pick()
         stream = bool(body.get("stream"))
-        logger.info(
-            "req=%s %s prefill=%s decode=%s stream=%s",
-            request_id,
-            path,
-            prefill_url,
-            decode_url,
-            stream,
-        )
         t0 = time.perf_counter()
-        kv = await self.run_prefill(prefill_url, path, body, headers)
+        kv, prefill_url = await self._failover(
+            self.prefill, request_id, lambda url: self.run_prefill(url, path, body, headers)
+        )
         t1 = time.perf_counter()
+        decode_url = self.decode.pick()
         try:
             failpoint("proxy.before_decode")
         except FailpointError as exc:
@@ -322,13 +350,22 @@ class PDProxy:
                              "the request's KV until its lease ends", server=decode_url,
                              kind="decode_dropped") from exc  # fmt: skip
         decode_body = {**body, "kv_transfer_params": kv}
-        if stream:
-            response = await self.stream_decode(decode_url, path, decode_body, headers, request_id)
-        else:
-            response = await self.run_decode(decode_url, path, decode_body, headers)
+
+        def decode_leg(url: str) -> Awaitable[Response]:
+            if stream:
+                return self.stream_decode(url, path, decode_body, headers, request_id)
+            return self.run_decode(url, path, decode_body, headers)
+
+        response, decode_url = await self._failover(
+            self.decode, request_id, decode_leg, first=decode_url
+        )
         logger.info(
-            "req=%s prefill %.1f ms, decode %s %.1f ms",
+            "req=%s %s prefill=%s decode=%s stream=%s: prefill %.1f ms, decode %s %.1f ms",
             request_id,
+            path,
+            prefill_url,
+            decode_url,
+            stream,
             (t1 - t0) * 1e3,
             "stream opened" if stream else "done",
             (time.perf_counter() - t1) * 1e3,
