@@ -163,6 +163,20 @@ def test_fault_mode_kills_and_restarts_prefill(tmp_path: Path, monkeypatch: Any)
 
 
 @pytest.mark.slow
+def test_fault_2p1d_the_proxy_sends_legs_to_the_prefill_left(tmp_path: Path, monkeypatch: Any):
+    """The fault matrix's 2p1d variant: one of two prefills killed under load; our proxy
+    passes it over, so requests after the fault go through the other (in the 1P1D run
+    above they fail 503 until the restart)."""
+    rc, summary, _ = _faults(tmp_path, monkeypatch, "--num-prefill", "2")
+    assert rc == 0, summary["verdicts"]
+    assert summary["fault"]["engine"] == "prefill0"
+    kept = summary["verdicts"]["survivor_kept_serving"]
+    ok, n = map(int, kept["front_requests_after_fault_ok"].split("/"))
+    assert n > 0 and ok == n, kept
+    assert summary["bench"]["failed"] == 0, summary["bench_errors"]
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not vllm_router_available(), reason="vllm-router not installed")
 def test_fault_behind_vllm_router_1p2d(tmp_path: Path, monkeypatch: Any) -> None:
     """The fault matrix's router-1p2d variant: prefill killed under load behind vllm-router

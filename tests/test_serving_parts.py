@@ -248,6 +248,9 @@ def test_fault_matrix_cases_commands_and_table(tmp_path: Path) -> None:
     sides = [int(a[a.index("--side-channel-port") + 1]) for a in argvs]
     assert len(set(ports)) == len(set(sides)) == 17
     assert max(ports) + fault_matrix.PORT_STEP <= min(sides) and max(sides) < 32768
+    two_prefills = fault_matrix.pick(["c"], ["2p1d"])
+    assert [c.name for c in two_prefills] == ["prefill_stop@2p1d"]
+    assert two_prefills[0].argv[-2:] == ["--num-prefill", "2"]
     with pytest.raises(SystemExit):
         fault_matrix.pick(None, ["3p3d"])
     # The table: one case with a summary, one with none (its process gave no result).

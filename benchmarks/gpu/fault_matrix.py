@@ -16,7 +16,8 @@ Cases (``--cases`` picks some; default all):
   prefill's lease (``kv_lease_duration`` 15) must free what it held for them.
 
 ``--variants`` runs each case in several deployments (default ``1p1d``): ``1p2d`` (two
-decodes), ``router`` (vllm-router in front instead of our proxy), ``router-1p2d``, and
+decodes), ``2p1d`` (two prefills: with one down, our proxy sends its legs to the other),
+``router`` (vllm-router in front instead of our proxy), ``router-1p2d``, and
 ``noverify`` (``verify_kv`` off); the table names them ``case@variant``. The decode that
 never comes needs our proxy: with a router it is left out, and the table says so.
 
@@ -74,6 +75,7 @@ CASES = {
 VARIANTS = {
     "1p1d": [],
     "1p2d": ["--num-decode", "2"],
+    "2p1d": ["--num-prefill", "2"],
     "router": ["--router", "vllm-router"],
     "router-1p2d": ["--router", "vllm-router", "--num-decode", "2"],
     "noverify": ["--extra-config", '{"verify_kv": false}'],
