@@ -24,6 +24,10 @@
 #            .before/, carried: git archive <commit> kvshare_connector | tar -x -C .before),
 #            NixlConnector and colocated, all up at once; 2k and 8k x concurrency 1 and 16,
 #            3 rotated rounds; eager engines (no CUDA graphs: no torch.compile in the lease)
+#   curve    issue 21's curve at one prompt length per call (CURVE_LEN, default 1024; then
+#            4096, 16384, 32768): ours packed, ours block by block, NixlConnector and
+#            colocated, all up at once, concurrency 1 16 64, 3 rotated rounds (what the
+#            time budget reaches); CURVE_KV_GIB per engine (default 4: 7 engines share the GPU)
 #   faults   the fault matrix (issue 25): FAULT_CASES (default c d e f: prefill hung,
 #            prefill dies before a release, a side-channel flood, the decode that never
 #            comes) in FAULT_VARIANTS (default 1p1d; also 1p2d 2p1d router router-1p2d noverify)
@@ -114,6 +118,18 @@ for step in "$@"; do
         --serve-args "--max-num-seqs 64" --time-budget "${TIME_BUDGET:-540}" --grace 10 --keep-raw \
         > "$OUT/serve.log" 2>&1
       rc=$?; echo "serve: exit $rc"; pack serve
+      ;;
+    curve)
+      weights
+      len=${CURVE_LEN:-1024}
+      python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/curve$len" \
+        --deployments ours nixl colocated --ours-variants packed='{}' direct='{"staging_mib": 0}' \
+        --prefill-gpu 0 --decode-gpu 0 --colocated-gpu 0 --gpu-mem 0.13 \
+        --kv-cache-gib "${CURVE_KV_GIB:-4}" --enforce-eager --input-len "$len" \
+        --concurrency 1 16 64 --num-prompts 0 --prompts-per-slot 2 --min-prompts 4 \
+        --output-len 32 --rounds 3 --warmup-requests 4 --serve-args "--max-num-seqs 64" \
+        --time-budget "${TIME_BUDGET:-540}" --grace 10 --keep-raw > "$OUT/curve$len.log" 2>&1
+      rc=$?; echo "curve $len: exit $rc"; pack "curve$len"
       ;;
     faults)
       weights
