@@ -117,7 +117,9 @@ for step in "$@"; do
         --prompts-per-slot 2 --min-prompts 4 --output-len 32 --rounds 3 --warmup-requests 4 \
         --serve-args "--max-num-seqs 64" --time-budget "${TIME_BUDGET:-540}" --grace 10 --keep-raw \
         > "$OUT/serve.log" 2>&1
-      rc=$?; echo "serve: exit $rc"; pack serve
+      rc=$?; echo "serve: exit $rc"
+      python3 -m benchmarks.gpu.ttft_split "$OUT/serve" > "$OUT/serve/ttft_split.md" 2>&1
+      pack serve
       ;;
     curve)
       weights
