@@ -98,6 +98,13 @@ class Peers:
         self._retired: list[ThreadPoolExecutor] = []  # of evicted peers, joined at close
         self._lock = threading.Lock()  # links are made on the engine thread, asked from others
         self._warned_no_identity = False
+        self._in_flight: set[Key] = set()  # handshakes seen unfinished this round
+
+    def next_round(self) -> None:
+        """A new round of reads (``KVSink.advance``). A handshake seen unfinished stays so
+        for the rest of a round: finishing halfway through, it would let the reads asked
+        after it claim a round before the ones asked earlier, in a message of their own."""
+        self._in_flight.clear()
 
     def _link(self, key: Key) -> _Link:
         with self._lock:
@@ -158,8 +165,10 @@ class Peers:
             )
         if link.handshake is None:
             link.handshake = link.executor.submit(self._handshake, host, port, expect)
+            self._in_flight.add(key)
             return None
-        if not link.handshake.done():
+        if not link.handshake.done() or key in self._in_flight:
+            self._in_flight.add(key)
             return None
         future, link.handshake = link.handshake, None
         try:

@@ -187,7 +187,11 @@ class LaneProbe:
 
 class Lanes:
     """Decode's lane probes, one per prefill agent: ``ready(peer)`` is True once that
-    prefill's lane is measured (or cannot be: no probe buffer on either side)."""
+    prefill's lane is measured (or cannot be: no probe buffer on either side).
+
+    A probe moves once per round (``next_round``: one per ``KVSink.advance``), however many
+    reads ask: otherwise it could finish halfway through a round, and the reads asked
+    before that would claim a round later than the rest, in a message of their own."""
 
     def __init__(self, transport: NixlTransport, buffer: ProbeBuffer | None):
         self.transport = transport
@@ -195,6 +199,10 @@ class Lanes:
         self._probes: dict[str, LaneProbe] = {}  # prefill agent -> its probe in flight
         self._measured: dict[str, LaneReport | None] = {}  # prefill agent -> its lane
         self._new: list[LaneReport] = []  # measured since the last ``take``
+        self._moved: set[str] = set()  # agents whose probe moved this round
+
+    def next_round(self) -> None:
+        self._moved.clear()
 
     def ready(self, peer: Peer, host: str, port: int) -> bool:
         """``peer`` has its lane measured; ``ProbeError`` if its probe READ failed or
@@ -213,6 +221,9 @@ class Lanes:
                 f"{host}:{port}", is_local_host(host), remote.mem_kind,
             )  # fmt: skip
             self._probes[peer.agent] = probe
+        if peer.agent in self._moved:
+            return False
+        self._moved.add(peer.agent)
         try:
             report = probe.advance()
         except Exception:

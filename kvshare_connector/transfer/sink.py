@@ -161,6 +161,8 @@ class KVSink:
         Every READ that can start is posted, then all are watched together for ``spin_s``
         (one by one, a READ could wait that long for the read before it to land)."""
         self.peers.pump()  # claims' answers that came in since the last call
+        self.peers.next_round()
+        self.lanes.next_round()
         now = time.monotonic()
         moving = []
         for read in list(self._reads.values()):
