@@ -16,7 +16,7 @@ from pathlib import Path
 from kvshare_connector.transfer.records import PHASES
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
@@ -50,8 +50,8 @@ def table(records: list[dict]) -> str:
     lines = ["| span | reads | p50 ms | p90 ms | p99 ms | max ms |", "|---|---|---|---|---|---|"]
     for label, values in rows(records):
         lines.append(
-            f"| {label} | {len(values)} | {_pct(values, 0.5):.2f} | {_pct(values, 0.9):.2f} | "
-            f"{_pct(values, 0.99):.2f} | {max(values):.2f} |"
+            f"| {label} | {len(values)} | {percentile(values, 0.5):.2f} | "
+            f"{percentile(values, 0.9):.2f} | {percentile(values, 0.99):.2f} | {max(values):.2f} |"
         )
     return "\n".join(lines)
 

@@ -49,19 +49,19 @@ READ_METRICS: list[tuple[str, str]] = [
 ]
 
 
-def load_raw(out: Path) -> dict[str, bytes]:
-    """Every raw file except server logs, keyed by its path under ``raw/``."""
+def load_raw(out: Path, logs: bool = False) -> dict[str, bytes]:
+    """Every raw file (server logs only with ``logs``), keyed by its path under ``raw/``."""
     files: dict[str, bytes] = {}
     raw_dir = out / RAW
     if raw_dir.is_dir():
         for path in raw_dir.rglob("*"):
-            if path.is_file() and path.suffix != ".log":
+            if path.is_file() and (logs or path.suffix != ".log"):
                 files[path.relative_to(raw_dir).as_posix()] = path.read_bytes()
         return files
     with tarfile.open(out / TARBALL, "r:gz") as tar:
         for member in tar.getmembers():
             name = member.name.removeprefix(f"{RAW}/")
-            if member.isfile() and not name.endswith(".log"):
+            if member.isfile() and (logs or not name.endswith(".log")):
                 data = tar.extractfile(member)
                 if data is not None:
                     files[name] = data.read()

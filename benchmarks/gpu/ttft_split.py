@@ -24,10 +24,12 @@ import json
 import re
 import statistics
 import sys
-import tarfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from benchmarks.gpu.read_timeline import percentile
+from benchmarks.gpu.serving_report import load_raw
 
 #: The proxy's line when it hands over the decode leg (older runs have no "prefill=").
 _PROXY = re.compile(
@@ -67,11 +69,6 @@ def split(read: dict[str, Any], answered: float, leg: float) -> dict[str, float]
     spans = (leg, order - answered, t["claimed"], in_place - t["claimed"],
              t["reported"] - in_place)  # fmt: skip
     return {name: v * 1e3 for name, v in zip(SPANS, spans, strict=True)}
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def table(files: dict[str, bytes]) -> str:
@@ -116,10 +113,10 @@ def table(files: dict[str, bytes]) -> str:
             "left: reported -> first token"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for (name, length, conc), reqs in sorted(rows.items(), key=lambda kv: kv[0][1:] + kv[0][:1]):
-        cells = [f"{_pct([r[s] for r in reqs], 0.5):.1f} / {_pct([r[s] for r in reqs], 0.9):.1f}"
-                 for s in SPANS]  # fmt: skip
+        per_span = [[r[s] for r in reqs] for s in SPANS]
+        cells = [f"{percentile(v, 0.5):.1f} / {percentile(v, 0.9):.1f}" for v in per_span]
         bench = ttft.get((name, length, conc))
-        spent = sum(_pct([r[s] for r in reqs], 0.5) for s in SPANS)
+        spent = sum(percentile(v, 0.5) for v in per_span)
         tail = (f"{statistics.median(bench):.1f} | {statistics.median(bench) - spent:.1f}"
                 if bench else "- | -")  # fmt: skip
         lines.append(f"| {name} | {length} x {conc} | {len(reqs)} | " + " | ".join(cells)
@@ -128,27 +125,11 @@ def table(files: dict[str, bytes]) -> str:
             " p50s\n\n" + "\n".join(lines))  # fmt: skip
 
 
-def load(out: Path) -> dict[str, bytes]:
-    """Every raw file of a serving run, logs included, keyed by its path under raw/."""
-    raw = out / "raw"
-    if raw.is_dir():
-        return {
-            p.relative_to(raw).as_posix(): p.read_bytes() for p in raw.rglob("*") if p.is_file()
-        }
-    files = {}
-    with tarfile.open(out / "raw.tar.gz", "r:gz") as tar:
-        for member in tar.getmembers():
-            data = tar.extractfile(member) if member.isfile() else None
-            if data is not None:
-                files[member.name.removeprefix("raw/")] = data.read()
-    return files
-
-
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
         return 2
-    print(table(load(Path(argv[0]))))
+    print(table(load_raw(Path(argv[0]), logs=True)))
     return 0
 
 

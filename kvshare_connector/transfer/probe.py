@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from kvshare_connector.transfer.peers import Peer
 
 logger = get_logger(__name__)
+T = TypeVar("T")
 
 DEFAULT_PROBE_MIB = 8
 TIMED_READS = 3
@@ -62,7 +64,7 @@ class ProbeBuffer:
         else:
             self.clear()
 
-    def _run(self, work: Any) -> Any:
+    def _run(self, work: Callable[[], T]) -> T:
         """``work()`` on the buffer's own stream, finished before this returns."""
         if self._stream is None:
             return work()

@@ -72,7 +72,8 @@ def engine_counter(data: dict[str, Any], engine: str, name: str) -> float:
     return counter_total(vals)
 
 
-def _good(r: dict[str, Any]) -> bool:
+def good_request(r: dict[str, Any]) -> bool:
+    """Answered 200 through a load (or none was needed), no kv_load_error."""
     return r.get("status") == 200 and not r.get("kv_load_error")
 
 
@@ -86,7 +87,7 @@ def mismatches(reference: list[dict[str, Any]], after: list[dict[str, Any]]) -> 
 
 def first_good(data: dict[str, Any], requests: list[dict[str, Any]], since: float) -> float | None:
     """Wall time the first good request through the front finished at or after ``since``."""
-    ends = [p["time"] + p["seconds"] for p in data["probes"] if _good(p)]
+    ends = [p["time"] + p["seconds"] for p in data["probes"] if good_request(p)]
     ends += [r["time"] + r["latency"] for r in requests if r["ok"] and r["latency"] is not None]
     ends = [t for t in ends if t >= since]
     return min(ends) if ends else None
@@ -210,7 +211,7 @@ def summarize(data: dict[str, Any], result: dict[str, Any] | None, end_wall: flo
     bench JSON)."""
     requests = bench_requests(result or {}, end_wall)
     fault = at(data["events"], "fault") or (data["events"] or [{"time": 0}])[0]["time"]
-    probes = [{"time": p["time"], "ok": _good(p)} for p in data["probes"]]
+    probes = [{"time": p["time"], "ok": good_request(p)} for p in data["probes"]]
     direct = [{"time": p["time"], "ok": p["status"] == 200}
               for p in data.get("survivor_probes", [])]  # fmt: skip
     return {

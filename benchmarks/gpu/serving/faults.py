@@ -41,7 +41,7 @@ import httpx
 
 from benchmarks.gpu.serving import checks, metrics
 from benchmarks.gpu.serving.deployments import Planned
-from benchmarks.gpu.serving.fault_report import markdown, summarize
+from benchmarks.gpu.serving.fault_report import good_request, markdown, summarize
 from benchmarks.gpu.serving.runs import Runner
 from kvshare_connector.common import failpoints
 from kvshare_connector.devtools import attacks
@@ -160,8 +160,8 @@ class FaultRun:
     def _good_probe_since(self, mono: float) -> bool:
         """A front probe finished well after ``mono`` (a monotonic time)."""
         since = time.time() - (time.monotonic() - mono)
-        return any(p["time"] + p["seconds"] >= since and p.get("status") == 200
-                   and not p.get("kv_load_error") for p in list(self.probes))  # fmt: skip
+        return any(p["time"] + p["seconds"] >= since and good_request(p)
+                   for p in list(self.probes))  # fmt: skip
 
     def _probe_loop(self, url: str, into: list[dict[str, Any]], offset: int) -> None:
         seq = offset
