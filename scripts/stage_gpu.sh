@@ -25,3 +25,5 @@ LMCACHE="lmcache==0.5.6 aiofile==3.12.3 caio==0.12.10 awscrt==0.38.1 cufile-pyth
 ROUTER="vllm-router==0.1.17 orjson==3.13.0"
 PYTHON="$PWD/.venv/bin/python" GPU_STAGE_DIR="$WORK" EXTRA="$(echo $EVAL $LMCACHE $ROUTER)" \
   bash ../shared/gpu/stage.sh
+# shared/gpu/stage.sh cuts 58 MiB parts; a run carries 64 MiB with the checkout (~22 MiB).
+bash scripts/gpu/recut.sh .gpu "${PART_MIB:-34}"

@@ -3,13 +3,13 @@
 # it pins that the host has at other versions, NIXL 1.5.1, LMCache 0.5.6, FlashInfer and the
 # rest of vLLM 0.33's runtime closure the host lacks (scripts/gpu/wheels-vllm-0.33.0.txt says
 # how that list was derived). The host runs Python 3.12 with torch 2.11.0+cu130 and has no
-# network; a run carries at most 64 MiB besides the checkout, so the wheels travel as one tar
-# cut into 44 MiB parts, one part per run. The 0.26 stack (scripts/stage_gpu.sh, .gpu/,
+# network; a run carries at most 64 MiB, the checkout included, so the wheels travel as one tar
+# cut into 34 MiB parts, one part per run. The 0.26 stack (scripts/stage_gpu.sh, .gpu/,
 # /tmp/site) is left alone: both install side by side on one host.
 #   bash scripts/stage_gpu_033.sh         (from anywhere; writes .gpu033/ at the project root)
 # It writes (ignored through .gitignore):
 #   .gpu033/bin/        install033.sh, env033.sh, parts (the count), SHA256SUMS, MANIFEST
-#   .gpu033/c00 .. cNN  one 44 MiB part each (partNN)
+#   .gpu033/c00 .. cNN  one 34 MiB part each (partNN)
 # Then, on the host, one run per part, back to back, each carrying .gpu033/bin and one
 # .gpu033/cNN and running `bash scripts/gpu/install033.sh`; the run that brings the last part
 # installs into /tmp/site033. Later runs: `bash scripts/gpu/install033.sh && . scripts/gpu/env033.sh`.
@@ -21,7 +21,7 @@ ROOT="$PWD"
 LIST="scripts/gpu/wheels-vllm-0.33.0.txt"
 WORK="${GPU033_STAGE_DIR:-/tmp/gpu033-stage}"
 PY="${PYTHON:-python3}"
-PART_MIB=44
+PART_MIB=${PART_MIB:-34}  # beside a checkout of ~22 MiB (scripts/gpu/recut.sh re-cuts a staged stack)
 mkdir -p "$WORK/dl" "$WORK/raw"
 # Wheels for CPython 3.12 on manylinux x86_64 (the host: glibc 2.39). stage.sh's platforms plus
 # 2_26/2_25/2_18/2_12/2010, which nvidia-nccl-cu13 2.30.7, pyzmq, psutil and nvvm need here.
@@ -102,7 +102,7 @@ want=$(( $(grep -cE '^[A-Za-z0-9]' "$LIST") + 2 ))
 have=$(ls "$WORK/wheels" | wc -l)
 [ "$have" -eq "$want" ] || { echo "stage: $have wheels in $WORK/wheels, expected $want" >&2; exit 1; }
 
-# 4. One tar (sorted, owner-neutral), cut into 44 MiB parts: .gpu033/cNN/partNN.
+# 4. One tar (sorted, owner-neutral), cut into PART_MIB parts: .gpu033/cNN/partNN.
 rm -rf "$ROOT/.gpu033" && mkdir -p "$ROOT/.gpu033/bin"
 (cd "$WORK/wheels" && ls | LC_ALL=C sort > "$WORK/wheels.txt" \
    && tar cf "$WORK/gpu033.tar" --owner=0 --group=0 --numeric-owner -T "$WORK/wheels.txt")

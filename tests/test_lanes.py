@@ -66,6 +66,7 @@ def test_a_slow_gpu_read_is_named_with_its_fix():
     assert f"{GET_ZCOPY}=y" in slow.fix and "'auto'" in slow.fix
     enabled = lanes.verdict("VRAM", "VRAM", 0.5, same_host=True, environ={GET_ZCOPY: "y"})
     assert enabled.slow and "UCX_TLS" in enabled.fix and "peer access" in enabled.fix
+    assert enabled.lane == "slow with cuda_ipc GET enabled"  # not named tcp: not known
     remote = lanes.verdict("VRAM", "VRAM", 0.5, same_host=False, environ={GET_ZCOPY: "y"})
     assert remote.slow and "RDMA" in remote.fix
 

@@ -57,6 +57,8 @@ PEER_SOURCES = with_defaults([
      "probe_mib": 1},
     {"name": "probe_liar", "model": "g4tiny", "layout": "per_layer", "requests": 1,
      "seed": 910, "probe_mib": 1, "probe_lie": True},
+    {"name": "probed_slow", "model": "g4tiny", "layout": "per_layer", "requests": 1,
+     "seed": 920, "probe_mib": 1},
 ])  # fmt: skip
 
 
@@ -478,7 +480,37 @@ def test_lane_probe_measures_and_verifies_before_the_first_read(peer, decoders):
     assert lane.peer == peer.source("probed")["engine_id"]
     assert lane.lane == "host memory" and not lane.slow and lane.fix is None
     assert lane.nbytes == 1 << 20 and lane.gbps > 0 and lane.seconds > 0
+    assert lane.reads == 3  # a fast lane: no READ again
     assert decoder.sink.take_lanes() == []
+
+
+def test_a_slow_reading_is_read_again_before_the_lane_is_called_slow(peer, decoders, monkeypatch):
+    """A busy GPU slows a probe READ over cuda_ipc to a few GB/s (2026-12-03d): a slow
+    reading is read again, spaced out, for ``PATIENCE_S`` before the verdict, and the speed
+    is the fastest READ's. Host memory never reads slow, so the verdict is made to call
+    every speed slow here; the probe test above is the control (3 READs, at once)."""
+    from kvshare_connector.transfer import probe
+    from kvshare_connector.transfer.lanes import Verdict
+
+    monkeypatch.setattr(probe, "PATIENCE_S", 0.6)
+    monkeypatch.setattr(probe, "RETRY_GAP_S", 0.1)
+    speeds: list[float] = []
+
+    def always_slow(local_kind, remote_kind, gbps, same_host):
+        speeds.append(gbps)
+        return Verdict("slow with cuda_ipc GET enabled", True, "check UCX_TLS")
+
+    monkeypatch.setattr(probe, "verdict", always_slow)
+    decoder = decoders("g4tiny", "per_layer", probe_mib=1)
+    request = peer.request("probed_slow", 0)
+    local_ids = request_block_ids(decoder.topology, TOKENS, seed=53)
+    assert_landed(decoder, decoder.read(request, local_ids, new_id("slow")), local_ids)
+    (lane,) = decoder.sink.take_lanes()
+    assert lane.slow and lane.lane == "slow with cuda_ipc GET enabled"
+    assert lane.reads > probe.TIMED_READS and lane.spread_s >= 0.6
+    assert lane.reads == len(speeds) + probe.TIMED_READS - 1  # a verdict per timed READ
+    assert lane.gbps == pytest.approx(max(speeds))  # the fastest READ's speed
+    assert speeds == sorted(speeds)  # the fastest so far, each time
 
 
 def test_lane_probe_with_wrong_bytes_fails_before_any_kv_moves(peer, decoders):

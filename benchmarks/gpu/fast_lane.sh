@@ -11,8 +11,9 @@
 #            cudaMalloc memory anything next to cuda_ipc zero-copy, and what it gives VMM
 #   kvx      kv_exact e2b/plain, prefill and decode on GPU 0, verify_kv on (byte-exact KV,
 #            scrambled and tampered controls), with the lane the connector chose
-#   gputests tests/gpu/test_gpu_streams.py (pytest's wheels carried in .gpu/pytest:
-#            pip download --no-deps -d .gpu/pytest pytest pluggy iniconfig pygments)
+#   gputests tests/gpu/test_gpu_streams.py and test_gpu_probe.py (pytest's wheels carried
+#            in .gpu/pytest: pip download --no-deps -d .gpu/pytest pytest pluggy iniconfig
+#            pygments msgspec)
 #   loads    verify_kv's false-alarm count (issue 26): one PD deployment with verify_kv on
 #            (its default), LOADS (default 1100) random 1k prompts at concurrency 32, 2
 #            tokens out; loads/summary.md counts the loads verified and refused
@@ -27,7 +28,8 @@
 #   curve    issue 21's curve at one prompt length per call (CURVE_LEN, default 1024; then
 #            4096, 16384, 32768): ours packed, ours block by block, NixlConnector and
 #            colocated, all up at once, concurrency 1 16 64, 3 rotated rounds (what the
-#            time budget reaches); CURVE_KV_GIB per engine (default 4: 7 engines share the GPU)
+#            time budget reaches); CURVE_KV_GIB per engine (default 4: 7 engines share the GPU);
+#            2 prompts per concurrency slot up to 4k, 1 beyond (a 32k x 64 run is 2M tokens)
 #   faults   the fault matrix (issue 25): FAULT_CASES (default c d e f: prefill hung,
 #            prefill dies before a release, a side-channel flood, the decode that never
 #            comes) in FAULT_VARIANTS (default 1p1d; also 1p2d 2p1d router router-1p2d noverify)
@@ -124,11 +126,12 @@ for step in "$@"; do
     curve)
       weights
       len=${CURVE_LEN:-1024}
+      pps=2; [ "$len" -gt 4096 ] && pps=1
       python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/curve$len" \
         --deployments ours nixl colocated --ours-variants packed='{}' direct='{"staging_mib": 0}' \
         --prefill-gpu 0 --decode-gpu 0 --colocated-gpu 0 --gpu-mem 0.13 \
         --kv-cache-gib "${CURVE_KV_GIB:-4}" --enforce-eager --input-len "$len" \
-        --concurrency 1 16 64 --num-prompts 0 --prompts-per-slot 2 --min-prompts 4 \
+        --concurrency 1 16 64 --num-prompts 0 --prompts-per-slot $pps --min-prompts 4 \
         --output-len 32 --rounds 3 --warmup-requests 4 --serve-args "--max-num-seqs 64" \
         --time-budget "${TIME_BUDGET:-540}" --grace 10 --keep-raw > "$OUT/curve$len.log" 2>&1
       rc=$?; echo "curve $len: exit $rc"; pack "curve$len"
@@ -145,7 +148,7 @@ for step in "$@"; do
       python3 -m pip install -q --no-index --no-deps --target /tmp/pytest-site .gpu/pytest/*.whl \
         > "$OUT/gputests.log" 2>&1
       PYTHONPATH="/tmp/pytest-site:$PYTHONPATH" python3 -m pytest -q -p no:cacheprovider \
-        tests/gpu/test_gpu_streams.py >> "$OUT/gputests.log" 2>&1
+        tests/gpu/test_gpu_streams.py tests/gpu/test_gpu_probe.py >> "$OUT/gputests.log" 2>&1
       echo "gputests: exit $?"
       ;;
     loads)

@@ -43,11 +43,13 @@ class LaneReport:
     peer: str  # prefill engine id
     address: str  # host:port of its side channel
     nbytes: int
-    seconds: float  # median of the timed READs, posted -> seen done
+    seconds: float  # the fastest timed READ, posted -> seen done
     gbps: float
     lane: str
     slow: bool
     fix: str | None
+    reads: int = 1  # timed READs made (more than ``TIMED_READS`` when the lane read slow)
+    spread_s: float = 0.0  # from the first timed READ to the verdict
 
 
 @dataclass(frozen=True)
