@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -12,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvshare_connector.toolkit.pd_legs import answered_token_ids, make_decode_body
 from kvshare_connector.toolkit.procs import pick_free_port
 from kvshare_connector.toolkit.proxy import (
     PREFILL_KV_PARAMS,
@@ -21,7 +23,7 @@ from kvshare_connector.toolkit.proxy import (
     make_prefill_body,
 )
 
-from .support.fake_vllm_server import ThreadServer, fake_server, fake_text
+from .support.fake_vllm_server import ThreadServer, fake_server, fake_text, fake_token_ids
 
 FAST = ProxyTimeouts(connect=2.0, read=5.0, health=1.0)
 QUESTION = "Question: What is 4 + 5?\nAnswer:"
@@ -29,7 +31,11 @@ QUESTION = "Question: What is 4 + 5?\nAnswer:"
 
 @contextmanager
 def pd_stack(
-    n_prefill: int = 1, n_decode: int = 1, timeouts: ProxyTimeouts = FAST, **prefill_kwargs: Any
+    n_prefill: int = 1,
+    n_decode: int = 1,
+    timeouts: ProxyTimeouts = FAST,
+    hand_off_token_ids: bool = True,
+    **prefill_kwargs: Any,
 ) -> Iterator[tuple[str, list[Any], list[Any]]]:
     """Fake prefill/decode servers plus the proxy, all in threads."""
     with ExitStack() as stack:
@@ -37,7 +43,12 @@ def pd_stack(
             stack.enter_context(fake_server("prefill", **prefill_kwargs)) for _ in range(n_prefill)
         ]
         decodes = [stack.enter_context(fake_server("decode")) for _ in range(n_decode)]
-        app = create_app([p.url for p in prefills], [d.url for d in decodes], timeouts)
+        app = create_app(
+            [p.url for p in prefills],
+            [d.url for d in decodes],
+            timeouts,
+            hand_off_token_ids=hand_off_token_ids,
+        )
         proxy = stack.enter_context(ThreadServer(app))
         yield proxy.url, prefills, decodes
 
@@ -99,8 +110,59 @@ def test_completion_non_streaming_matches_colocated() -> None:
     assert pre_req["body"]["max_tokens"] == 1 and pre_req["body"]["stream"] is False
     assert pre_req["request_id"] == dec_req["request_id"] == pd.headers["x-request-id"]
     assert dec_req["body"]["max_tokens"] == 20
+    # Decode got the prompt as the token ids prefill computed, not the text to tokenize again.
+    assert pre_req["body"]["return_token_ids"] is True and "return_token_ids" not in body
+    assert dec_req["body"]["prompt"] == fake_token_ids(QUESTION)
     assert dec_req["body"]["kv_transfer_params"]["remote_engine_id"] == prefills[0].state.engine_id
     assert prefills[0].state.issued == {}  # consumed exactly once
+
+
+@pytest.mark.parametrize("hand_off", [True, False])
+def test_token_ids_reach_decode_only_for_one_text_completion(hand_off: bool, caplog: Any) -> None:
+    """A text prompt reaches decode as prefill's ids (the log says so); the control without
+    the hand-off sends the text. Chat keeps its messages, and a prompt of ids stays as it
+    is: prefill is not asked for ids there."""
+    ids = [5, 6, 7, 8]
+    with pd_stack(hand_off_token_ids=hand_off) as (url, prefills, decodes):
+        with caplog.at_level(logging.INFO, logger="kvshare_connector.toolkit.proxy"):
+            text = httpx.post(url + "/v1/completions", json={"prompt": [QUESTION], "max_tokens": 4})
+        chat = httpx.post(
+            url + "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4},
+        )
+        as_ids = httpx.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 4})
+    assert text.status_code == chat.status_code == as_ids.status_code == 200
+    pre = [r["body"] for r in prefills[0].state.requests]
+    dec = [r["body"] for r in decodes[0].state.requests]
+    assert [b.get("return_token_ids") for b in pre] == [True if hand_off else None, None, None]
+    want = fake_token_ids(QUESTION) if hand_off else [QUESTION]
+    assert [b.get("prompt") for b in dec] == [want, None, ids]
+    assert dec[1]["messages"] == [{"role": "user", "content": QUESTION}]
+    handed = [r.getMessage() for r in caplog.records if "token ids" in r.getMessage()]
+    assert len(handed) == (1 if hand_off else 0)
+    if hand_off:
+        assert f"prompt as {len(QUESTION)} token ids" in handed[0]
+
+
+def test_answered_token_ids_are_taken_only_when_sound() -> None:
+    kv = {"remote_prompt_tokens": 3}
+    answer = {"choices": [{"prompt_token_ids": [1, 2, 3]}]}
+    assert answered_token_ids(answer, kv) == [1, 2, 3]
+    assert answered_token_ids(answer, {}) == [1, 2, 3]  # a prefill that does not count
+    for bad in (
+        {"choices": [{"prompt_token_ids": [1, 2]}]},  # another count than prefill's own
+        {"choices": [{"prompt_token_ids": [1, -2, 3]}]},
+        {"choices": [{"prompt_token_ids": [1, True, 3]}]},
+        {"choices": [{"prompt_token_ids": [1, 2.0, 3]}]},
+        {"choices": [{"prompt_token_ids": "1 2 3"}]},
+        {"choices": [{"prompt_token_ids": []}]},
+        {"choices": [{}]},  # a server that does not return them (the text is kept)
+        {"choices": []},
+        [],
+    ):
+        assert answered_token_ids(bad, kv) is None, bad
+    assert make_decode_body({"prompt": "x"}, kv, None)["prompt"] == "x"
+    assert make_decode_body({"prompt": "x"}, kv, [1])["prompt"] == [1]
 
 
 def test_client_request_id_is_kept_as_a_unique_prefix() -> None:

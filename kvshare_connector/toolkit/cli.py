@@ -62,6 +62,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
         args.port,
         _timeouts(args),
         log_level=args.log_level.lower(),
+        hand_off_token_ids=not args.prompt_as_text,
     )
     return 0
 
@@ -91,6 +92,12 @@ def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
         type=checks.http_url,
         metavar="URL",
         help="decode (kv_consumer) server URL(s)",
+    )
+    p.add_argument(
+        "--prompt-as-text",
+        action="store_true",
+        help="send decode a completion's prompt as the client's text (default: as the token "
+        "ids prefill computed, so decode's server does not tokenize it again)",
     )
     _add_timeouts(p)
     p.set_defaults(func=_run_proxy, check=_check_proxy)

@@ -4,7 +4,9 @@ One client request becomes two backend requests: a *prefill* request (``max_toke
 ``kv_transfer_params.do_remote_decode=true``) that makes a ``kv_producer`` server compute and
 hold the prompt's KV, then the original request plus the ``kv_transfer_params`` that server
 answered, sent to a ``kv_consumer`` server that pulls the KV and generates. The parameter
-names are those of vLLM's NIXL connector, so this proxy also fronts NIXL deployments.
+names are those of vLLM's NIXL connector, so this proxy also fronts NIXL deployments. A
+completions prompt given as text reaches decode as the token ids prefill computed
+(``pd_legs``), so decode's server does not tokenize it again.
 
 The proxy never imports vLLM: it is plain FastAPI + httpx, so it runs anywhere.
 Errors name the backend and the request id; backend 4xx (client errors) pass through
@@ -14,7 +16,6 @@ unchanged, everything else becomes 502 (bad answer), 503 (unreachable) or 504 (t
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
 import time
@@ -29,18 +30,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvshare_connector.common.failpoints import FailpointError, failpoint
+from kvshare_connector.toolkit.pd_legs import (  # noqa: F401 (PREFILL_KV_PARAMS: public here)
+    PREFILL_KV_PARAMS,
+    answered_token_ids,
+    count_prompts,
+    make_decode_body,
+    make_prefill_body,
+    text_prompt,
+)
 
 logger = logging.getLogger(__name__)
 
-#: What the prefill request carries: "compute the KV, keep it for a remote decode".
-PREFILL_KV_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 REQUEST_ID_HEADER = "X-Request-Id"
 T = TypeVar("T")
 _FORWARDED_HEADERS = ("authorization",)
@@ -107,20 +107,6 @@ class ProxyError(Exception):
         self.passthrough = passthrough
 
 
-def make_prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill request: the client's body asking for one token, unstreamed, KV kept."""
-    prefill = copy.deepcopy(body)
-    prefill["max_tokens"] = 1
-    if "max_completion_tokens" in prefill:
-        prefill["max_completion_tokens"] = 1
-    prefill["stream"] = False
-    # vLLM rejects stream_options without stream and min_tokens > max_tokens.
-    prefill.pop("stream_options", None)
-    prefill.pop("min_tokens", None)
-    prefill["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
-    return prefill
-
-
 def make_request_id(client_id: str | None) -> str:
     """A unique id for both servers. vLLM builds its internal request id from X-Request-Id,
     and a client that reuses one across concurrent requests must not make two PD requests
@@ -139,13 +125,6 @@ def forwarded_headers(incoming: Any) -> dict[str, str]:
         if value and value.lower() != "bearer":
             out[name] = value
     return out
-
-
-def count_prompts(prompt: Any) -> int:
-    """How many prompts a completions ``prompt`` holds (str, token ids, or lists of those)."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        return len(prompt)
-    return 1
 
 
 def _snippet(resp: httpx.Response, limit: int = 300) -> str:
@@ -201,11 +180,16 @@ class PDProxy:
     """The proxy's state and request flow; ``create_app`` wires it into FastAPI."""
 
     def __init__(
-        self, prefill_urls: Sequence[str], decode_urls: Sequence[str], timeouts: ProxyTimeouts
+        self,
+        prefill_urls: Sequence[str],
+        decode_urls: Sequence[str],
+        timeouts: ProxyTimeouts,
+        hand_off_token_ids: bool = True,
     ) -> None:
         self.prefill = RoundRobin(prefill_urls)
         self.decode = RoundRobin(decode_urls)
         self.timeouts = timeouts
+        self.hand_off_token_ids = hand_off_token_ids  # pd_legs: decode gets prefill's ids
         self.client: httpx.AsyncClient | None = None
 
     def _client(self) -> httpx.AsyncClient:
@@ -247,9 +231,12 @@ class PDProxy:
 
     async def run_prefill(
         self, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
-    ) -> dict[str, Any]:
-        """Send the prefill request; return the ``kv_transfer_params`` it answered."""
-        resp = await self._post("prefill", url, path, make_prefill_body(body), headers)
+    ) -> tuple[dict[str, Any], list[int] | None]:
+        """Send the prefill request; return the ``kv_transfer_params`` it answered, and the
+        prompt's token ids when they were asked for and given."""
+        want_ids = self.hand_off_token_ids and text_prompt(path, body)
+        prefill_body = make_prefill_body(body, want_token_ids=want_ids)
+        resp = await self._post("prefill", url, path, prefill_body, headers)
         try:
             data = resp.json()
         except ValueError as exc:
@@ -269,7 +256,7 @@ class PDProxy:
                 server=url,
                 kind="bad_backend_response",
             )
-        return kv
+        return kv, answered_token_ids(data, kv) if want_ids else None
 
     async def run_decode(
         self, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
@@ -338,7 +325,7 @@ class PDProxy:
         headers.update(forwarded_headers(request.headers))
         stream = bool(body.get("stream"))
         t0 = time.perf_counter()
-        kv, prefill_url = await self._failover(
+        (kv, token_ids), prefill_url = await self._failover(
             self.prefill, request_id, lambda url: self.run_prefill(url, path, body, headers)
         )
         t1 = time.perf_counter()
@@ -349,7 +336,7 @@ class PDProxy:
             raise ProxyError(503, f"decode leg not sent ({exc}): prefill {prefill_url} holds "
                              "the request's KV until its lease ends", server=decode_url,
                              kind="decode_dropped") from exc  # fmt: skip
-        decode_body = {**body, "kv_transfer_params": kv}
+        decode_body = make_decode_body(body, kv, token_ids)
 
         def decode_leg(url: str) -> Awaitable[Response]:
             if stream:
@@ -360,7 +347,7 @@ class PDProxy:
             self.decode, request_id, decode_leg, first=decode_url
         )
         logger.info(
-            "req=%s %s prefill=%s decode=%s stream=%s: prefill %.1f ms, decode %s %.1f ms",
+            "req=%s %s prefill=%s decode=%s stream=%s: prefill %.1f ms, decode %s %.1f ms%s",
             request_id,
             path,
             prefill_url,
@@ -369,6 +356,7 @@ class PDProxy:
             (t1 - t0) * 1e3,
             "stream opened" if stream else "done",
             (time.perf_counter() - t1) * 1e3,
+            f"; prompt as {len(token_ids)} token ids" if token_ids is not None else "",
         )
         response.headers[REQUEST_ID_HEADER] = request_id
         return response
@@ -416,9 +404,10 @@ def create_app(
     timeouts: ProxyTimeouts | None = None,
     *,
     max_connections: int | None = None,
+    hand_off_token_ids: bool = True,
 ) -> FastAPI:
     """Build the proxy app. The httpx client lives in the app's lifespan (its event loop)."""
-    proxy = PDProxy(prefill_urls, decode_urls, timeouts or ProxyTimeouts())
+    proxy = PDProxy(prefill_urls, decode_urls, timeouts or ProxyTimeouts(), hand_off_token_ids)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -495,9 +484,10 @@ def serve(
     port: int,
     timeouts: ProxyTimeouts | None = None,
     log_level: str = "info",
+    hand_off_token_ids: bool = True,
 ) -> None:
     """Run the proxy with uvicorn until interrupted."""
     import uvicorn
 
-    app = create_app(prefill_urls, decode_urls, timeouts)
+    app = create_app(prefill_urls, decode_urls, timeouts, hand_off_token_ids=hand_off_token_ids)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

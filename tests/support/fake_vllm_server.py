@@ -134,6 +134,8 @@ def token_logprob(token: str) -> float:
 
 
 def prompt_of(body: dict[str, Any], chat: bool) -> str:
+    """The prompt's text; a token-id prompt is read back with ``fake_token_ids``'
+    vocabulary (one id per character), so ids a prefill answered give its text again."""
     if chat:
         return "\n".join(str(m.get("content", "")) for m in body.get("messages", []))
     prompt = body.get("prompt", "")
@@ -141,12 +143,18 @@ def prompt_of(body: dict[str, Any], chat: bool) -> str:
         if len(prompt) == 1:
             prompt = prompt[0]
         if isinstance(prompt, list):
-            return " ".join(str(t) for t in prompt)
+            return "".join(chr(int(t)) for t in prompt)
     return str(prompt)
 
 
+def fake_token_ids(text: str) -> list[int]:
+    """The fake tokenizer: one id per character (what ``return_token_ids`` answers)."""
+    return [ord(c) for c in text]
+
+
 def digest(body: dict[str, Any], chat: bool) -> str:
-    payload = body.get("messages") if chat else body.get("prompt")
+    """Of the prompt as the engine sees it: text and its token ids digest alike."""
+    payload = body.get("messages") if chat else prompt_of(body, chat)
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -255,7 +263,8 @@ def _completion_json(
         choice["logprobs"] = None
     else:
         choice["text"] = text
-        if body.get("return_token_ids"):  # as vLLM: the generated ids, stable per token
+        if body.get("return_token_ids"):  # as vLLM: the prompt's ids and the generated ones
+            choice["prompt_token_ids"] = fake_token_ids(prompt)
             choice["token_ids"] = [zlib.crc32(t.encode()) % 4096 for t in tokens]
         choice["logprobs"] = (
             {
