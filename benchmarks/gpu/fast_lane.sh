@@ -30,6 +30,11 @@
 #            colocated, all up at once, concurrency 1 16 64, 3 rotated rounds (what the
 #            time budget reaches); CURVE_KV_GIB per engine (default 4: 7 engines share the GPU);
 #            2 prompts per concurrency slot up to 4k, 1 beyond (a 32k x 64 run is 2M tokens)
+#   firsttoken  concurrency 1 at 1k and 4k (ours packed, NixlConnector, colocated, 3 rounds)
+#            with FT_MODE=sync (eager, every engine --no-async-scheduling) or graphs (CUDA
+#            graphs and torch.compile, async scheduling as vLLM's default): whether PD's
+#            two-step first token on the curve (decode's one-token step as slow as colocated's
+#            whole prefill) is an eager engine under async scheduling (issue 21)
 #   faults   the fault matrix (issue 25): FAULT_CASES (default c d e f: prefill hung,
 #            prefill dies before a release, a side-channel flood, the decode that never
 #            comes) in FAULT_VARIANTS (default 1p1d; also 1p2d 2p1d router router-1p2d noverify)
@@ -135,6 +140,21 @@ for step in "$@"; do
         --output-len 32 --rounds 3 --warmup-requests 4 --serve-args "--max-num-seqs 64" \
         --time-budget "${TIME_BUDGET:-540}" --grace 10 --keep-raw > "$OUT/curve$len.log" 2>&1
       rc=$?; echo "curve $len: exit $rc"; pack "curve$len"
+      ;;
+    firsttoken)
+      weights
+      mode=${FT_MODE:-sync}
+      case $mode in
+        sync) extra=(--enforce-eager); sargs="--max-num-seqs 64 --no-async-scheduling" ;;
+        graphs) extra=(); sargs="--max-num-seqs 64" ;;
+        *) echo "FT_MODE: sync or graphs, not $mode" >&2; exit 2 ;;
+      esac
+      python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/firsttoken-$mode" \
+        --deployments ours nixl colocated --prefill-gpu 0 --decode-gpu 0 --colocated-gpu 0 \
+        --gpu-mem 0.13 --kv-cache-gib 4 "${extra[@]}" --input-len 1024 4096 --concurrency 1 \
+        --num-prompts 4 --output-len 32 --rounds 3 --warmup-requests 4 --serve-args "$sargs" \
+        --time-budget "${TIME_BUDGET:-520}" --grace 10 --keep-raw > "$OUT/firsttoken-$mode.log" 2>&1
+      rc=$?; echo "firsttoken $mode: exit $rc"; pack "firsttoken-$mode"
       ;;
     faults)
       weights
