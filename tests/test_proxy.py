@@ -120,8 +120,8 @@ def test_completion_non_streaming_matches_colocated() -> None:
 @pytest.mark.parametrize("hand_off", [True, False])
 def test_token_ids_reach_decode_only_for_one_text_completion(hand_off: bool, caplog: Any) -> None:
     """A text prompt reaches decode as prefill's ids (the log says so); the control without
-    the hand-off sends the text. Chat keeps its messages, and a prompt of ids stays as it
-    is: prefill is not asked for ids there."""
+    the hand-off sends the text. Chat keeps its messages, a prompt of ids stays as it is,
+    and an echo keeps its text: prefill is not asked for ids there."""
     ids = [5, 6, 7, 8]
     with pd_stack(hand_off_token_ids=hand_off) as (url, prefills, decodes):
         with caplog.at_level(logging.INFO, logger="kvshare_connector.toolkit.proxy"):
@@ -131,12 +131,16 @@ def test_token_ids_reach_decode_only_for_one_text_completion(hand_off: bool, cap
             json={"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4},
         )
         as_ids = httpx.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 4})
-    assert text.status_code == chat.status_code == as_ids.status_code == 200
+        echo = httpx.post(
+            url + "/v1/completions", json={"prompt": QUESTION, "max_tokens": 1, "echo": True}
+        )
+    assert text.status_code == chat.status_code == as_ids.status_code == echo.status_code == 200
     pre = [r["body"] for r in prefills[0].state.requests]
     dec = [r["body"] for r in decodes[0].state.requests]
-    assert [b.get("return_token_ids") for b in pre] == [True if hand_off else None, None, None]
+    asked = [True if hand_off else None, None, None, None]
+    assert [b.get("return_token_ids") for b in pre] == asked
     want = fake_token_ids(QUESTION) if hand_off else [QUESTION]
-    assert [b.get("prompt") for b in dec] == [want, None, ids]
+    assert [b.get("prompt") for b in dec] == [want, None, ids, QUESTION]
     assert dec[1]["messages"] == [{"role": "user", "content": QUESTION}]
     handed = [r.getMessage() for r in caplog.records if "token ids" in r.getMessage()]
     assert len(handed) == (1 if hand_off else 0)

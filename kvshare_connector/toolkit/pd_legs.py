@@ -35,8 +35,10 @@ def count_prompts(prompt: Any) -> int:
 
 
 def text_prompt(path: str, body: dict[str, Any]) -> bool:
-    """A completions request whose one prompt is text: its ids can be handed to decode."""
-    if path != "/v1/completions":
+    """A completions request whose one prompt is text: its ids can be handed to decode.
+    Not with ``echo``: the client gets its prompt back as decode's server sees it (text as
+    given, not ids turned back into text), and lm-eval's log-likelihoods read it."""
+    if path != "/v1/completions" or body.get("echo"):
         return False
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
