@@ -5,6 +5,8 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -364,6 +366,75 @@ def test_only_a_refused_connection_is_tried_elsewhere() -> None:
         resp = httpx.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
     assert resp.status_code == 502 and _error(resp)["server"] == bad.url
     assert bad.state.hits["completions"] == 1 and good.state.hits["completions"] == 0
+
+
+@contextmanager
+def dropping_server() -> Iterator[tuple[str, list[int]]]:
+    """A server that reads each request and closes the connection without answering (an
+    engine killed with the request on it); yields its URL and a count of requests read."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    seen = [0]
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                seen[0] += 1
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", seen
+    finally:
+        listener.close()
+
+
+def test_a_prefill_that_drops_the_request_is_sent_to_another(caplog: Any) -> None:
+    """A prefill that dies under a request (the connection closes without an answer): the
+    prefill leg goes once to the other prefill; every request is served."""
+    with ExitStack() as stack:
+        dropper, seen = stack.enter_context(dropping_server())
+        pre = stack.enter_context(fake_server("prefill"))
+        dec = stack.enter_context(fake_server("decode"))
+        px = stack.enter_context(ThreadServer(create_app([dropper, pre.url], [dec.url], FAST)))
+        stack.enter_context(caplog.at_level("WARNING"))
+        codes = [httpx.post(px.url + "/v1/completions", json={"prompt": f"{i} + 1"},
+                            timeout=10).status_code for i in range(4)]  # fmt: skip
+    assert codes == [200] * 4
+    # Not passed over: it still accepts connections (a closed keep-alive connection looks
+    # the same); a dead engine refuses them and is passed over (the test above).
+    assert seen[0] == 4
+    assert pre.state.hits["completions"] == dec.state.hits["completions"] == 4
+    resent = [r.getMessage() for r in caplog.records if "without an answer" in r.getMessage()]
+    assert len(resent) == 4 and all(dropper in m and "trying another" in m for m in resent)
+
+
+def test_a_dropped_leg_is_sent_once_more_at_most_and_never_to_decode() -> None:
+    """The control: a lone prefill that drops every request is asked twice, then the client
+    gets a 502 naming it; a decode that drops its leg is not asked again (it may have read
+    the KV), the other decode never sees the request."""
+    with ExitStack() as stack:
+        dropper, seen = stack.enter_context(dropping_server())
+        dec = stack.enter_context(fake_server("decode"))
+        px = stack.enter_context(ThreadServer(create_app([dropper], [dec.url], FAST)))
+        resp = httpx.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert resp.status_code == 502 and seen[0] == 2
+    err = _error(resp)
+    assert err["type"] == "backend_dropped" and err["server"] == dropper
+    assert "closed the connection without an answer" in err["message"]
+    assert dec.state.hits["completions"] == 0
+    with ExitStack() as stack:
+        dropper, seen = stack.enter_context(dropping_server())
+        pre = stack.enter_context(fake_server("prefill"))
+        good = stack.enter_context(fake_server("decode"))
+        px = stack.enter_context(ThreadServer(create_app([pre.url], [dropper, good.url], FAST)))
+        resp = httpx.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert resp.status_code == 502 and seen[0] == 1
+    assert _error(resp)["server"] == dropper and good.state.hits["completions"] == 0
+    assert len(pre.state.issued) == 1  # prefill holds the KV nobody read (until its lease)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,9 @@ completions prompt given as text reaches decode as the token ids prefill compute
 
 The proxy never imports vLLM: it is plain FastAPI + httpx, so it runs anywhere.
 Errors name the backend and the request id; backend 4xx (client errors) pass through
-unchanged, everything else becomes 502 (bad answer), 503 (unreachable) or 504 (timeout).
+unchanged, everything else becomes 502 (bad answer, connection dropped), 503 (unreachable)
+or 504 (timeout). A backend that refused the connection is passed over; a prefill leg whose
+connection dropped without an answer is sent once more.
 """
 
 from __future__ import annotations
@@ -20,9 +22,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import httpx
@@ -38,73 +39,20 @@ from kvshare_connector.toolkit.pd_legs import (  # noqa: F401 (PREFILL_KV_PARAMS
     make_prefill_body,
     text_prompt,
 )
+from kvshare_connector.toolkit.proxy_backends import (
+    ProxyError,
+    ProxyTimeouts,
+    RoundRobin,
+    check_status,
+    snippet,
+    transport_error,
+)
 
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
 T = TypeVar("T")
 _FORWARDED_HEADERS = ("authorization",)
-
-
-@dataclass(frozen=True)
-class ProxyTimeouts:
-    """Seconds. ``read`` bounds the wait for each chunk of a response (not the whole
-    generation), so long streamed generations are fine while a hung server is caught."""
-
-    connect: float = 10.0
-    read: float = 600.0
-    write: float = 30.0
-    pool: float = 30.0
-    health: float = 3.0
-
-    def as_httpx(self) -> httpx.Timeout:
-        return httpx.Timeout(connect=self.connect, read=self.read, write=self.write, pool=self.pool)
-
-
-class RoundRobin:
-    """Cycles over backend URLs, passing over one that refused a connection for
-    ``down_s`` seconds (while another is left). The proxy runs on one event loop, so no
-    lock is needed."""
-
-    def __init__(self, urls: Sequence[str], down_s: float = 5.0) -> None:
-        if not urls:
-            raise ValueError("need at least one backend URL")
-        self.urls = [u.rstrip("/") for u in urls]
-        self.down_s = down_s
-        self._next = 0
-        self._down_until: dict[str, float] = {}
-
-    def pick(self, tried: Collection[str] = ()) -> str:
-        """The next URL not in ``tried``, one marked down only when no other is left."""
-        order = [self.urls[(self._next + i) % len(self.urls)] for i in range(len(self.urls))]
-        self._next += 1
-        fresh = [u for u in order if u not in tried]
-        now = time.monotonic()
-        up = [u for u in fresh if self._down_until.get(u, 0.0) <= now]
-        return (up or fresh or order)[0]
-
-    def mark_down(self, url: str) -> None:
-        self._down_until[url] = time.monotonic() + self.down_s
-
-
-class ProxyError(Exception):
-    """A failed request, rendered as an OpenAI-style JSON error naming server and request."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        server: str | None = None,
-        kind: str = "proxy_error",
-        passthrough: httpx.Response | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.server = server
-        self.kind = kind
-        self.passthrough = passthrough
 
 
 def make_request_id(client_id: str | None) -> str:
@@ -125,55 +73,6 @@ def forwarded_headers(incoming: Any) -> dict[str, str]:
         if value and value.lower() != "bearer":
             out[name] = value
     return out
-
-
-def _snippet(resp: httpx.Response, limit: int = 300) -> str:
-    text = resp.text.strip().replace("\n", " ")
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _check_status(resp: httpx.Response, side: str, url: str) -> None:
-    if resp.status_code < 400:
-        return
-    if resp.status_code < 500:
-        raise ProxyError(
-            resp.status_code,
-            f"{side} server {url} rejected the request",
-            server=url,
-            kind="backend_client_error",
-            passthrough=resp,
-        )
-    raise ProxyError(
-        502,
-        f"{side} server {url} answered HTTP {resp.status_code}: {_snippet(resp)}",
-        server=url,
-        kind="bad_backend_response",
-    )
-
-
-def _transport_error(
-    exc: httpx.HTTPError, side: str, url: str, timeouts: ProxyTimeouts
-) -> ProxyError:
-    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
-        return ProxyError(
-            503,
-            f"{side} server {url} is unreachable ({type(exc).__name__}: {exc})",
-            server=url,
-            kind="backend_unreachable",
-        )
-    if isinstance(exc, httpx.TimeoutException):
-        return ProxyError(
-            504,
-            f"{side} server {url} timed out ({type(exc).__name__}; read timeout {timeouts.read}s)",
-            server=url,
-            kind="backend_timeout",
-        )
-    return ProxyError(
-        502,
-        f"{side} server {url} failed: {type(exc).__name__}: {exc}",
-        server=url,
-        kind="backend_error",
-    )
 
 
 class PDProxy:
@@ -203,20 +102,31 @@ class PDProxy:
         request_id: str,
         leg: Callable[[str], Awaitable[T]],
         first: str | None = None,
+        resend_dropped: bool = False,
     ) -> tuple[T, str]:
         """``leg(url)`` on ``first`` or the next backend of ``pool``; a backend that refused
         the connection (the request never reached it) is passed over for a while and the
-        leg goes to the next one, until each was tried once."""
+        leg goes to the next one, until each was tried once.
+
+        With ``resend_dropped`` (the prefill leg) a connection closed without an answer (a
+        prefill that died under the request, a reused connection it had closed) is sent
+        once more, to the next backend (the same one when it is alone): a prefill answer
+        nobody received only holds blocks until its lease ends. A decode leg is never sent
+        twice: the first decode may have read the KV, which prefill then freed."""
         tried: list[str] = []
+        resent = False
         while True:
             url = first if first is not None and not tried else pool.pick(tried)
             try:
                 return await leg(url), url
             except ProxyError as exc:
                 tried.append(url)
-                if exc.kind != "backend_unreachable" or len(tried) >= len(pool.urls):
+                if exc.kind == "backend_unreachable" and len(tried) < len(pool.urls):
+                    pool.mark_down(url)
+                elif exc.kind == "backend_dropped" and resend_dropped and not resent:
+                    resent = True
+                else:
                     raise
-                pool.mark_down(url)
                 logger.warning("req=%s %s; trying another", request_id, exc.message)
 
     async def _post(
@@ -225,8 +135,8 @@ class PDProxy:
         try:
             resp = await self._client().post(url + path, json=body, headers=headers)
         except httpx.HTTPError as exc:
-            raise _transport_error(exc, side, url, self.timeouts) from exc
-        _check_status(resp, side, url)
+            raise transport_error(exc, side, url, self.timeouts) from exc
+        check_status(resp, side, url)
         return resp
 
     async def run_prefill(
@@ -242,7 +152,7 @@ class PDProxy:
         except ValueError as exc:
             raise ProxyError(
                 502,
-                f"prefill server {url} answered non-JSON: {_snippet(resp)}",
+                f"prefill server {url} answered non-JSON: {snippet(resp)}",
                 server=url,
                 kind="bad_backend_response",
             ) from exc
@@ -278,18 +188,18 @@ class PDProxy:
                 client.build_request("POST", url + path, json=body, headers=headers), stream=True
             )
         except httpx.HTTPError as exc:
-            raise _transport_error(exc, "decode", url, self.timeouts) from exc
+            raise transport_error(exc, "decode", url, self.timeouts) from exc
         if resp.status_code >= 400:
             await resp.aread()
             await resp.aclose()
-            _check_status(resp, "decode", url)
+            check_status(resp, "decode", url)
 
         async def relay() -> AsyncIterator[bytes]:
             try:
                 async for chunk in resp.aiter_bytes():  # decoded: content-encoding is not relayed
                     yield chunk
             except httpx.HTTPError as exc:
-                err = _transport_error(exc, "decode", url, self.timeouts)
+                err = transport_error(exc, "decode", url, self.timeouts)
                 logger.error("req=%s stream broken: %s", request_id, err.message)
                 payload = {
                     "error": {"message": err.message, "type": err.kind, "request_id": request_id}
@@ -326,7 +236,10 @@ class PDProxy:
         stream = bool(body.get("stream"))
         t0 = time.perf_counter()
         (kv, token_ids), prefill_url = await self._failover(
-            self.prefill, request_id, lambda url: self.run_prefill(url, path, body, headers)
+            self.prefill,
+            request_id,
+            lambda url: self.run_prefill(url, path, body, headers),
+            resend_dropped=True,
         )
         t1 = time.perf_counter()
         decode_url = self.decode.pick()
@@ -372,7 +285,7 @@ class PDProxy:
                 headers={"content-type": "application/json"},
             )
         except httpx.HTTPError as exc:
-            raise _transport_error(exc, "decode", url, self.timeouts) from exc
+            raise transport_error(exc, "decode", url, self.timeouts) from exc
         return Response(
             content=resp.content,
             status_code=resp.status_code,
@@ -431,7 +344,7 @@ def create_app(
                 request_id,
                 exc.message,
                 exc.status,
-                _snippet(exc.passthrough),
+                snippet(exc.passthrough),
             )
             return Response(
                 content=exc.passthrough.content,

@@ -26,7 +26,11 @@ its ``sink.*``/``peers.*`` points at each load, before it pulls (so ``exit@K`` d
 K+1st); a prefill reports ``vllm:kv_cache_usage_perc`` from the KV records it still holds,
 freed when pulled or, with ``FAKE_KV_LEASE=S``, after S seconds (without: a dead decode's
 records leak); ``FAKE_PREFILL_LOCAL=1`` lets a prefill serve plain requests;
-``FAKE_VERIFY_FAILURES=N`` makes a decode report N verify_kv failures.
+``FAKE_VERIFY_FAILURES=N`` makes a decode report N verify_kv failures;
+``FAKE_DECODE_RECOMPUTE=1`` makes a decode that cannot pull (prefill unreachable, or it holds
+no record: killed, restarted) compute the prompt locally and answer 200 with
+``kv_transfer_params.kv_load_error``, counted in ``vllm:kvshare_failed_loads_total``, as the
+connector does under vLLM's ``recompute`` policy (without it: 400, strict).
 
 Run as ``python tests/support/fake_vllm_server.py --port N --role prefill|decode|colocated``;
 unknown (vLLM) arguments are accepted, and ``--kv-transfer-config`` is checked against the role.
@@ -162,6 +166,16 @@ class PDViolation(Exception):
     """The request breaks the PD protocol; answered as a 400 naming the problem."""
 
 
+# A pull that waits this long on a stopped prefill fails (as the connector's transfer
+# timeout does), under the fault driver's 5 s probe timeout so the stale load is answered.
+PULL_TIMEOUT_S = 3.0
+
+
+class LoadFailed(PDViolation):
+    """Decode could not pull the KV (its prefill is gone, or no longer holds it): a 400, or
+    with ``FAKE_DECODE_RECOMPUTE=1`` the prompt computed locally."""
+
+
 @dataclass
 class FakeState:
     role: str
@@ -232,11 +246,13 @@ async def _check_decode(
             f"X-Request-Id {request_id!r} != remote_request_id {kv['remote_request_id']!r}"
         )
     url = f"http://{kv['remote_host']}:{kv['remote_port']}/debug/kv/{kv['remote_request_id']}"
-    async with httpx.AsyncClient(timeout=5.0) as client:
+    async with httpx.AsyncClient(timeout=PULL_TIMEOUT_S) as client:
         try:
             resp = await client.get(url)
         except httpx.HTTPError as exc:
-            raise PDViolation(f"cannot pull KV from {url}: {exc!r}") from exc
+            raise LoadFailed(f"cannot pull KV from {url}: {exc!r}") from exc
+    if resp.status_code == 404:
+        raise LoadFailed(f"KV pull from {url} answered 404: {resp.text}")
     if resp.status_code != 200:
         raise PDViolation(f"KV pull from {url} answered {resp.status_code}: {resp.text}")
     record = resp.json()
@@ -338,6 +354,8 @@ def create_fake_app(state: FakeState) -> FastAPI:
         if state.role == "decode":
             lines.append(f"vllm:kvshare_read_seconds_count{{{lab}}} {served}")
             lines.append(f"vllm:kvshare_verified_loads_total{{{lab}}} {state.hits['loads']}")
+            failed = state.hits["failed_loads"]
+            lines.append(f"vllm:kvshare_failed_loads_total{{{lab}}} {failed}")
             bad = os.environ.get("FAKE_VERIFY_FAILURES", "0")
             lines.append(f"vllm:kvshare_verify_failures_total{{{lab}}} {bad}")
         elif state.role == "prefill":
@@ -408,8 +426,14 @@ def create_fake_app(state: FakeState) -> FastAPI:
                 plain and os.environ.get("FAKE_DECODE_LOCAL") == "1"
             ):  # FAKE_DECODE_LOCAL=1: a request without params is computed locally, as vLLM does
                 state.hit_failpoints()
-                await _check_decode(state, body, chat, request_id)
-                state.hits["loads"] += 1
+                try:
+                    await _check_decode(state, body, chat, request_id)
+                    state.hits["loads"] += 1
+                except LoadFailed as exc:
+                    if os.environ.get("FAKE_DECODE_RECOMPUTE") != "1":
+                        raise
+                    state.hits["failed_loads"] += 1
+                    kv_out = {"kv_load_error": f"KV load failed: {exc}; recomputed locally"}
         except PDViolation as exc:
             return JSONResponse(
                 {"error": {"message": f"fake {state.role}: {exc}"}}, status_code=400

@@ -55,15 +55,17 @@ RECOVERY_WAIT_S = 30.0
 
 
 def _probe(
-    endpoint: str, model: str, vocab: int, timeout: float, seq: int, **extra: Any
-) -> dict[str, Any]:
+    endpoint: str, model: str, vocab: int, timeout: float, seq: int,
+    headers: dict[str, str] | None = None, **extra: Any,
+) -> dict[str, Any]:  # fmt: skip
     """One short request (through the front, or straight to an engine): status, seconds
     (status None: no answer), and the ``kv_load_error`` decode returned, if any."""
     prompt = checks.prompt_ids(10_000 + seq, 1, 64, vocab)[0]
     body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0, **extra}
     t0, wall = time.perf_counter(), time.time()
     try:
-        resp = httpx.post(endpoint + "/v1/completions", json=body, timeout=timeout)
+        resp = httpx.post(endpoint + "/v1/completions", json=body, timeout=timeout,
+                          headers=headers)
         kv = (resp.json().get("kv_transfer_params") or {}) if resp.status_code == 200 else {}
         return {"time": wall, "status": resp.status_code, "seconds": time.perf_counter() - t0,
                 "kv_load_error": kv.get("kv_load_error"), "kv_transfer_params": kv or None,
@@ -187,8 +189,11 @@ class FaultRun:
         if not params:
             self.stale = {"skipped": "prefill gave no kv_transfer_params"}
             return
+        # Under the request id prefill answered for, as a PD proxy sends it.
+        rid = {"X-Request-Id": str(params.get("remote_request_id"))}
         rec = _probe(self.decode.url, self.args.served_model_name, self.runner.vocab,
-                     self.args.probe_timeout, 99_999, kv_transfer_params=params)  # fmt: skip
+                     self.args.probe_timeout, 99_999, headers=rid,
+                     kv_transfer_params=params)  # fmt: skip
         rec.pop("kv_transfer_params", None)
         self.stale = rec
         self.event("stale load answered", status=rec["status"],
