@@ -263,6 +263,31 @@ def test_fault_stop_prefill_then_resume(tmp_path: Path, monkeypatch: Any, stop_s
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("bad_kv", [False, True])
+def test_fault_free_run_is_judged_as_a_fault_run(tmp_path: Path, monkeypatch: Any,
+                                                 bad_kv: bool) -> None:  # fmt: skip
+    """``--fault-action none`` (the fault matrix's throughput reference and small-pool case):
+    the same load, checks and verdicts without a fault. The control: a decode reporting a
+    verify_kv failure fails no_wrong_kv, and only it."""
+    if bad_kv:
+        monkeypatch.setenv("FAKE_VERIFY_FAILURES", "1")
+    rc, summary, _ = _faults(tmp_path, monkeypatch, "--fault-action", "none")
+    order = ["checks before the load", "load start", "fault", "victim resumed",
+             "victim rejoined", "checks after recovery", "kv usage zero on every engine"]
+    assert [e for e in _events(summary) if e in order] == order
+    assert summary["fault"]["how"] == "none (fault-free run)"
+    assert "victim restarted" not in _events(summary)
+    if bad_kv:
+        assert rc == 1 and _failed(summary) == ["no_wrong_kv"]
+        return
+    assert rc == 0, summary["verdicts"]
+    m = summary["measured"]
+    assert (m["completed"], m["failed"], m["local_loads"]) == (40, 0, 0)  # 5 req/s for 8 s
+    assert m["output_throughput"] > 0
+    assert summary["verdicts"]["no_wrong_kv"]["verified_loads"] >= 40
+
+
+@pytest.mark.slow
 def test_fault_flood_prefill_side_channel(tmp_path: Path, monkeypatch: Any) -> None:
     """A client without the secret floods prefill's side channel (the fake prefill has none:
     every flood request finds the port closed); no restart, the run goes on."""

@@ -221,7 +221,8 @@ def test_fault_matrix_cases_commands_and_table(tmp_path: Path) -> None:
     cases = fault_matrix.pick(None)
     assert [c.name for c in cases] == ["prefill_claim", "decode_read", "prefill_stop",
                                        "prefill_release", "prefill_flood",
-                                       "decode_never_comes"]  # fmt: skip
+                                       "decode_never_comes", "small_pools",
+                                       "fault_free"]  # fmt: skip
     assert fault_matrix.pick(["b", "prefill_stop"]) == [cases[1], cases[2]]
     with pytest.raises(SystemExit):
         fault_matrix.pick(["z"])
@@ -229,7 +230,7 @@ def test_fault_matrix_cases_commands_and_table(tmp_path: Path) -> None:
              for i, c in enumerate(cases)]  # fmt: skip
     ports = {a[a.index("--base-port") + 1] for a in argvs}
     sides = {a[a.index("--side-channel-port") + 1] for a in argvs}
-    assert len(ports) == len(sides) == 6
+    assert len(ports) == len(sides) == 8
     assert argvs[4][argvs[4].index("--fault-action") + 1] == "flood"
     assert argvs[5][argvs[5].index("--fault-action") + 1] == "drop"
     outs = [a[a.index("--out") + 1] for a in argvs]
@@ -239,14 +240,14 @@ def test_fault_matrix_cases_commands_and_table(tmp_path: Path) -> None:
     # Variants: every case again in other deployments (the proxy's drop not behind a router).
     crossed = fault_matrix.pick(None, ["1p1d", "router-1p2d", "noverify"])
     names = [c.name for c in crossed]
-    assert len(crossed) == 17 and "decode_never_comes@router-1p2d" not in names
+    assert len(crossed) == 23 and "decode_never_comes@router-1p2d" not in names
     assert "prefill_claim@router-1p2d" in names and "decode_read@noverify" in names
     read_noverify = crossed[names.index("decode_read@noverify")]
     assert read_noverify.argv[-2:] == ["--extra-config", '{"verify_kv": false}']
     argvs = [fault_matrix.case_argv(c, i, "/m", tmp_path, []) for i, c in enumerate(crossed)]
     ports = [int(a[a.index("--base-port") + 1]) for a in argvs]
     sides = [int(a[a.index("--side-channel-port") + 1]) for a in argvs]
-    assert len(set(ports)) == len(set(sides)) == 17
+    assert len(set(ports)) == len(set(sides)) == 23
     assert max(ports) + fault_matrix.PORT_STEP <= min(sides) and max(sides) < 32768
     two_prefills = fault_matrix.pick(["c"], ["2p1d"])
     assert [c.name for c in two_prefills] == ["prefill_stop@2p1d"]
@@ -262,10 +263,42 @@ def test_fault_matrix_cases_commands_and_table(tmp_path: Path) -> None:
     assert rows[0]["completed_failed_local"] == "50/10/2"
     text = (tmp_path / "fault_matrix.md").read_text()
     assert "| prefill_claim | prefill | SIGKILL | PASS | PASS | PASS | PASS | PASS | PASS | " \
-           "50/10/2 | 12.2 | prefill0 0.0%, decode0 0.0% | 7.0 |  |" in text
+           "50/10/2 | 12.2 | prefill0 0.0%, decode0 0.0% | 7.0 | — |  |" in text
     assert "| decode_read | decode | failpoint sink.read_posted | — | — | — | — | — | — | " in text
     assert "no result (exit 1, see decode_read.log)" in text
     assert "HTTP 503" in text
+
+
+def test_fault_matrix_sets_throughput_against_the_fault_free_run(tmp_path: Path) -> None:
+    """Decode's output throughput per case as a fraction of the fault-free run of the same
+    deployment, judged (>= 90 %) only where the victim's requests have somewhere else to go."""
+    cases = fault_matrix.pick(["a", "e", "f", "0"], ["1p1d", "2p1d"])
+    judged = {c.name: fault_matrix.throughput_judged(c) for c in cases}
+    assert judged == {"prefill_claim": False, "prefill_flood": True,
+                      "decode_never_comes": False, "fault_free": False,
+                      "prefill_claim@2p1d": True, "prefill_flood@2p1d": True,
+                      "decode_never_comes@2p1d": False, "fault_free@2p1d": False}  # fmt: skip
+    assert fault_matrix.throughput_judged(fault_matrix.pick(["b"], ["1p2d"])[0])
+    assert not fault_matrix.throughput_judged(fault_matrix.pick(["c"], ["2p1d"])[0])
+    t0 = 1_000_000.0
+    tput = {"prefill_claim": 300.0, "prefill_flood": 250.0, "decode_never_comes": 200.0,
+            "fault_free": 320.0, "prefill_claim@2p1d": 370.0, "prefill_flood@2p1d": 400.0,
+            "fault_free@2p1d": 400.0}  # decode_never_comes@2p1d gave no result  # fmt: skip
+    for name, value in tput.items():
+        summary = fault_report.summarize(_fault_data(t0), {**_result(), "output_throughput":
+                                         value}, t0 + 61.0, 30.0)  # fmt: skip
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "faults.json").write_text(json.dumps(summary))
+    rows = {r["case"]: r for r in fault_matrix.write_table(tmp_path, cases, {})}
+    assert rows["prefill_claim"]["throughput_vs_fault_free"] == pytest.approx(300 / 320, abs=1e-3)
+    assert rows["prefill_claim"]["throughput_ok"] is None  # 1P1D: every request needs prefill
+    assert rows["prefill_flood"]["throughput_ok"] is False  # 78 % < 90 %
+    assert rows["prefill_claim@2p1d"]["throughput_ok"] is True  # 370 / 400: 92.5 %
+    assert rows["fault_free@2p1d"]["throughput_vs_fault_free"] == 1.0
+    assert rows["decode_never_comes@2p1d"]["throughput_vs_fault_free"] is None
+    text = (tmp_path / "fault_matrix.md").read_text()
+    assert "| 250 (78 %) FAIL |" in text and "| 300 (94 %) |" in text
+    assert "| 370 (92 %) PASS |" in text
 
 
 def test_scaling_report_marks_points_not_reached_and_plots(tmp_path: Path) -> None:

@@ -254,13 +254,16 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--fault-rate", type=float, default=4.0, help="requests/s offered")
     f.add_argument("--load-seconds", type=float, default=60.0, help="length of the offered load")
     f.add_argument("--fault-victim", choices=["prefill", "decode"], default="prefill")
-    f.add_argument("--fault-action", choices=["kill", "stop", "flood", "drop"], default="kill",
+    f.add_argument("--fault-action", choices=["kill", "stop", "flood", "drop", "none"],
+                   default="kill",
                    help="kill: the victim dies (at --fault-point, else SIGKILL at "
                         "--kill-after) and is restarted; stop: SIGSTOP at --kill-after, "
                         "SIGCONT --stop-seconds later; flood: a client without the secret "
                         "floods prefill's side channel for --stop-seconds; drop (decode): "
                         "our proxy never sends the decode leg of rate x --stop-seconds "
-                        "requests, from the --fault-skip'th on")  # fmt: skip
+                        "requests, from the --fault-skip'th on; none: the same load and "
+                        "checks without a fault (the reference for a fault's throughput; "
+                        "with a small --kv-cache-gib, the small-pool case)")  # fmt: skip
     f.add_argument("--fault-point", choices=sorted(FAILPOINTS), default=None,
                    help="kill: the victim exits at this failpoint (KVSHARE_FAILPOINTS)")
     f.add_argument("--fault-skip", type=int, default=None,

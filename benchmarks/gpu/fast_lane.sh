@@ -37,7 +37,8 @@
 #            whole prefill) is an eager engine under async scheduling (issue 21)
 #   faults   the fault matrix (issue 25): FAULT_CASES (default c d e f: prefill hung,
 #            prefill dies before a release, a side-channel flood, the decode that never
-#            comes) in FAULT_VARIANTS (default 1p1d; also 1p2d 2p1d router router-1p2d noverify)
+#            comes) in FAULT_VARIANTS (default 1p1d; also 1p2d 2p1d router router-1p2d noverify);
+#            add 0 (the fault-free run: the throughput column's reference) and g (small pools)
 #
 # STACK=033 runs the steps on vLLM 0.33.0 (after bash scripts/gpu/install033.sh) with its
 # default model runner (V2) and FlashInfer's sampler off (it JIT-builds on first use, minutes

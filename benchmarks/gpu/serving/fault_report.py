@@ -175,8 +175,8 @@ def verdicts(data: dict[str, Any], requests: list[dict[str, Any]],
 
 def back_event(action: str) -> str:
     """The event that ends the fault: a restart, or the victim resumed (stopped, flooded,
-    its decode legs dropped: no restart)."""
-    return "victim resumed" if action in ("stop", "flood", "drop") else "victim restarted"
+    its decode legs dropped, no fault at all: no restart)."""
+    return "victim resumed" if action in ("stop", "flood", "drop", "none") else "victim restarted"
 
 
 def measured(data: dict[str, Any], result: dict[str, Any] | None,
@@ -196,6 +196,9 @@ def measured(data: dict[str, Any], result: dict[str, Any] | None,
     r = result or {}
     return {
         "completed": r.get("completed"), "failed": r.get("failed"),
+        # decode's throughput over the load (the fault matrix sets it against the fault-free
+        # run of the same deployment)
+        "output_throughput": r.get("output_throughput"),
         "errors": sorted({q["error"] for q in requests if q["error"]})[:10],
         "probe_errors": sorted(probe_errors)[:10],
         "local_loads": int(failed_loads), "kv_load_errors_seen": len(kv_errors),

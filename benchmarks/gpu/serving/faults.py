@@ -19,6 +19,9 @@ How the fault lands (``--fault-action``, ``--fault-point``):
   ``proxy.before_decode=fail*N@K`` (N: ``--fault-rate`` x ``--stop-seconds``): N requests
   past the warm-up get prefill's KV held and no decode leg (503, named); prefill's lease
   must free their blocks. "victim resumed" once the proxy logged all N.
+* ``none``: no fault; "fault" and "victim resumed" are marked at ``--kill-after`` so the
+  run reads as the others do. The fault-free reference of the fault matrix, and with small
+  KV pools its small-pool case (prefill's holds fill its pool, decode preempts).
 
 Timeline (every ``--sample-interval`` s): each engine's ``/health`` and metrics, one probe
 per second through the front and one plain request per second straight to the survivor,
@@ -249,6 +252,8 @@ class FaultRun:
             return None
         if now < a.kill_after:
             return None
+        if a.fault_action == "none":
+            return {**info, "how": "none (fault-free run)", "fired": True}
         if a.fault_action == "flood":
             port = int(victim.env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
             threading.Thread(target=self._flood, args=(port,), daemon=True).start()
@@ -328,6 +333,9 @@ class FaultRun:
                     if dropped >= drops(a) or mono - fault >= a.rejoin_timeout:
                         back = mono
                         self.event("victim resumed", engine=victim.name, dropped=dropped)
+                elif back is None and a.fault_action == "none":
+                    back = mono
+                    self.event("victim resumed", engine=victim.name, fault_free=True)
                 elif back is None and a.fault_action == "flood":
                     if mono - fault >= a.stop_seconds:
                         back = mono
