@@ -279,6 +279,8 @@ def test_fault_matrix_sets_throughput_against_the_fault_free_run(tmp_path: Path)
                       "prefill_claim@2p1d": True, "prefill_flood@2p1d": True,
                       "decode_never_comes@2p1d": False, "fault_free@2p1d": False}  # fmt: skip
     assert fault_matrix.throughput_judged(fault_matrix.pick(["b"], ["1p2d"])[0])
+    assert [fault_matrix.engines(c) for c in fault_matrix.pick(["a"], ["1p1d", "1p2d",
+            "router-1p2d", "2p1d"])] == [2, 3, 3, 3]  # fmt: skip
     assert not fault_matrix.throughput_judged(fault_matrix.pick(["c"], ["2p1d"])[0])
     t0 = 1_000_000.0
     tput = {"prefill_claim": 300.0, "prefill_flood": 250.0, "decode_never_comes": 200.0,

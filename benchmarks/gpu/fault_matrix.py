@@ -88,6 +88,7 @@ CASES = {
               ["--fault-action", "none"]),
 }  # fmt: skip
 REFERENCE = "fault_free"
+ENGINES_PER_H200 = 10  # E2B shape: 7.8 GiB of weights + 2 GiB of KV + activations each
 THROUGHPUT_TARGET = 0.9
 VARIANTS = {
     "1p1d": [],
@@ -209,6 +210,11 @@ def throughput_judged(case: Case) -> bool:
     return int(_argv_value(case.argv, role) or 1) > 1
 
 
+def engines(case: Case) -> int:
+    """vLLM engines the case starts (a router or proxy aside)."""
+    return sum(int(_argv_value(case.argv, f"--num-{r}") or 1) for r in ("prefill", "decode"))
+
+
 def variant_of(name: str) -> str:
     return name.split("@", 1)[1] if "@" in name else "1p1d"
 
@@ -308,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     cases = pick(args.cases, args.variants)
     argvs = [case_argv(c, i, args.model_dir, out, extra) for i, c in enumerate(cases)]
+    total = sum(engines(c) for c in cases)
+    print(f"[matrix] {len(cases)} cases, {total} engines at once (one H200 holds ~"
+          f"{ENGINES_PER_H200}: each ~12 GiB with 2 GiB of KV)", flush=True)  # fmt: skip
     if args.dry_run:
         print("\n".join(" ".join(a) for a in argvs))
         return 0
