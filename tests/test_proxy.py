@@ -369,11 +369,12 @@ def test_only_a_refused_connection_is_tried_elsewhere() -> None:
 
 
 @contextmanager
-def dropping_server() -> Iterator[tuple[str, list[int]]]:
+def dropping_server() -> Iterator[tuple[str, list[str]]]:
     """A server that reads each request and closes the connection without answering (an
-    engine killed with the request on it); yields its URL and a count of requests read."""
+    engine killed with the request on it); yields its URL and the X-Request-Id of each
+    request it read."""
     listener = socket.create_server(("127.0.0.1", 0))
-    seen = [0]
+    seen: list[str] = []
 
     def serve() -> None:
         while True:
@@ -382,8 +383,9 @@ def dropping_server() -> Iterator[tuple[str, list[int]]]:
             except OSError:
                 return
             with conn:
-                conn.recv(65536)
-                seen[0] += 1
+                head = conn.recv(65536).decode("latin-1").lower()
+                rid = head.split("x-request-id:", 1)[-1].split("\r\n", 1)[0].strip()
+                seen.append(rid)
 
     threading.Thread(target=serve, daemon=True).start()
     try:
@@ -401,13 +403,21 @@ def test_a_prefill_that_drops_the_request_is_sent_to_another(caplog: Any) -> Non
         dec = stack.enter_context(fake_server("decode"))
         px = stack.enter_context(ThreadServer(create_app([dropper, pre.url], [dec.url], FAST)))
         stack.enter_context(caplog.at_level("WARNING"))
-        codes = [httpx.post(px.url + "/v1/completions", json={"prompt": f"{i} + 1"},
-                            timeout=10).status_code for i in range(4)]  # fmt: skip
-    assert codes == [200] * 4
+        resps = [httpx.post(px.url + "/v1/completions", json={"prompt": f"{i} + 1"},
+                            headers={"X-Request-Id": f"client{i}"}, timeout=10)
+                 for i in range(4)]  # fmt: skip
+    assert [r.status_code for r in resps] == [200] * 4
     # Not passed over: it still accepts connections (a closed keep-alive connection looks
     # the same); a dead engine refuses them and is passed over (the test above).
-    assert seen[0] == 4
+    assert len(seen) == 4
     assert pre.state.hits["completions"] == dec.state.hits["completions"] == 4
+    # The resend goes under an id of its own (the dropped try may hold KV under the first),
+    # traceable to the client's; the client gets the id that answered, and so did decode
+    # (the fake decode refuses an X-Request-Id other than prefill's remote_request_id).
+    answered = [r.headers["x-request-id"] for r in resps]
+    assert not set(answered) & set(seen) and not pre.state.issued  # every record pulled
+    assert all(a.startswith(f"{s}-") and s.startswith(f"client{i}-")
+               for i, (a, s) in enumerate(zip(answered, seen, strict=True)))  # fmt: skip
     resent = [r.getMessage() for r in caplog.records if "without an answer" in r.getMessage()]
     assert len(resent) == 4 and all(dropper in m and "trying another" in m for m in resent)
 
@@ -421,7 +431,7 @@ def test_a_dropped_leg_is_sent_once_more_at_most_and_never_to_decode() -> None:
         dec = stack.enter_context(fake_server("decode"))
         px = stack.enter_context(ThreadServer(create_app([dropper], [dec.url], FAST)))
         resp = httpx.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
-    assert resp.status_code == 502 and seen[0] == 2
+    assert resp.status_code == 502 and len(seen) == 2 and seen[0] != seen[1]
     err = _error(resp)
     assert err["type"] == "backend_dropped" and err["server"] == dropper
     assert "closed the connection without an answer" in err["message"]
@@ -432,7 +442,7 @@ def test_a_dropped_leg_is_sent_once_more_at_most_and_never_to_decode() -> None:
         good = stack.enter_context(fake_server("decode"))
         px = stack.enter_context(ThreadServer(create_app([pre.url], [dropper, good.url], FAST)))
         resp = httpx.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
-    assert resp.status_code == 502 and seen[0] == 1
+    assert resp.status_code == 502 and len(seen) == 1
     assert _error(resp)["server"] == dropper and good.state.hits["completions"] == 0
     assert len(pre.state.issued) == 1  # prefill holds the KV nobody read (until its lease)
 

@@ -235,12 +235,20 @@ class PDProxy:
         headers.update(forwarded_headers(request.headers))
         stream = bool(body.get("stream"))
         t0 = time.perf_counter()
+        sent: list[str] = []
+
+        def prefill_leg(url: str) -> Awaitable[tuple[dict[str, Any], list[int] | None]]:
+            # Each try after the first under an id of its own: a dropped try may have reached
+            # prefill, which then holds KV under its id until the lease ends, and two holds
+            # (and vLLM's requests) must not share one. Decode gets the id that answered.
+            headers[REQUEST_ID_HEADER] = make_request_id(request_id) if sent else request_id
+            sent.append(headers[REQUEST_ID_HEADER])
+            return self.run_prefill(url, path, body, headers)
+
         (kv, token_ids), prefill_url = await self._failover(
-            self.prefill,
-            request_id,
-            lambda url: self.run_prefill(url, path, body, headers),
-            resend_dropped=True,
+            self.prefill, request_id, prefill_leg, resend_dropped=True
         )
+        request_id = headers[REQUEST_ID_HEADER]
         t1 = time.perf_counter()
         decode_url = self.decode.pick()
         try:
