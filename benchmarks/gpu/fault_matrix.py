@@ -5,7 +5,6 @@ and OUT subfolder, and one table, OUT/fault_matrix.md (and .json), out of the ru
 
 Cases (``--cases`` picks some; default all):
 
-* ``fault_free``: the same load without a fault, the reference of the others' throughput;
 * ``prefill_claim``: prefill exits at ``source.claim_answered`` (a READ's blocks just
   handed out), restarted;
 * ``decode_read``: decode exits at ``sink.read_posted`` (its READ in flight), restarted;
@@ -17,7 +16,8 @@ Cases (``--cases`` picks some; default all):
   prefill's lease (``kv_lease_duration`` 15) must free what it held for them;
 * ``small_pools``: no fault, 0.125 GiB of KV per engine (1/16 of the others) at twice the
   rate: prefill's holds fill its pool and decode preempts requests it loaded (sized from
-  2026-12-03d's peaks at 2 GiB: prefill 5 %, decode 15 %).
+  2026-12-03d's peaks at 2 GiB: prefill 5 %, decode 15 %);
+* ``fault_free`` (``0``): the same load without a fault, the others' throughput reference.
 
 Per case, decode's output throughput over the load is set against ``fault_free`` of the
 same deployment. The target (>= 90 %, issue #25: requests not tied to the faulty peer) is
