@@ -32,14 +32,7 @@ from kvshare_connector.transfer.nixl import NixlTransport, TransportError
 from kvshare_connector.transfer.packing import Packer
 from kvshare_connector.transfer.peers import HandshakeError, Pairing, Peer, Peers
 from kvshare_connector.transfer.probe import Lanes, ProbeBuffer, ProbeError
-from kvshare_connector.transfer.reads import (
-    Landing,
-    Phase,
-    Plan,
-    Read,
-    ReadOrder,
-    Transfer,
-)
+from kvshare_connector.transfer.reads import Landing, Phase, Plan, Read, ReadOrder, Transfer
 from kvshare_connector.transfer.records import LaneReport, SinkProgress, TransferRecord
 from kvshare_connector.transfer.settings import EngineSettings
 from kvshare_connector.transfer.side_channel import SideChannelError, warn_if_no_secret
