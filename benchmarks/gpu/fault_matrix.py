@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.gpu.bench_serving import build_parser
 from benchmarks.gpu.serving.fault_report import VERDICTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,6 +66,7 @@ class Case:
     victim: str
     how: str  # what the table says when the run gave no answer
     argv: list[str] = field(default_factory=list)
+    variant: str = "1p1d"
 
 
 CASES = {
@@ -133,7 +135,7 @@ def pick(names: list[str] | None, variants: list[str] | None = None) -> list[Cas
                       "vllm-router has no failpoint)", flush=True)  # fmt: skip
                 continue
             name = case.name if v == "1p1d" else f"{case.name}@{v}"
-            out.append(Case(name, case.victim, case.how, [*case.argv, *VARIANTS[v]]))
+            out.append(Case(name, case.victim, case.how, [*case.argv, *VARIANTS[v]], v))
     return out
 
 
@@ -192,40 +194,34 @@ def _stop(procs: list[subprocess.Popen[bytes]], grace: float = 45.0) -> None:
                 p.wait(timeout=10)
 
 
-def _argv_value(argv: list[str], flag: str) -> str | None:
-    """The value of the last ``flag`` in ``argv`` (argparse keeps the last)."""
-    at = [i for i, a in enumerate(argv) if a == flag]
-    return argv[at[-1] + 1] if at else None
+def options(case: Case) -> argparse.Namespace:
+    """The case's options as its bench_serving run reads them (defaults included)."""
+    return build_parser().parse_known_args(case.argv)[0]
 
 
 def throughput_judged(case: Case) -> bool:
     """Whether the >= 90 % throughput target applies to this case (see the docstring): a
     killed victim with a second engine of its role, or a flood."""
-    action = _argv_value(case.argv, "--fault-action") or "kill"
-    if action == "flood":
+    o = options(case)
+    if o.fault_action == "flood":
         return True
-    if action != "kill":
-        return False
-    role = "--num-prefill" if case.victim == "prefill" else "--num-decode"
-    return int(_argv_value(case.argv, role) or 1) > 1
+    spare = o.num_prefill if case.victim == "prefill" else o.num_decode
+    return o.fault_action == "kill" and spare > 1
 
 
 def engines(case: Case) -> int:
     """vLLM engines the case starts (a router or proxy aside)."""
-    return sum(int(_argv_value(case.argv, f"--num-{r}") or 1) for r in ("prefill", "decode"))
-
-
-def variant_of(name: str) -> str:
-    return name.split("@", 1)[1] if "@" in name else "1p1d"
+    o = options(case)
+    return o.num_prefill + o.num_decode
 
 
 def add_throughput(cases: list[Case], rows: list[dict[str, Any]]) -> None:
     """Each row's output throughput as a fraction of the fault-free run of its variant,
     and (where judged) whether it meets the target."""
-    reference = {variant_of(r["case"]): r.get("output_throughput") for r in rows
-                 if r["case"].split("@")[0] == REFERENCE}  # fmt: skip
+    reference = {c.variant: r.get("output_throughput") for c, r in zip(cases, rows, strict=True)
+                 if c.name.split("@")[0] == REFERENCE}  # fmt: skip
     for case, r in zip(cases, rows, strict=True):
-        ref, got = reference.get(variant_of(case.name)), r.get("output_throughput")
+        ref, got = reference.get(case.variant), r.get("output_throughput")
         ratio = round(got / ref, 3) if ref and got is not None else None
         r["throughput_vs_fault_free"] = ratio
         r["throughput_ok"] = (
