@@ -159,6 +159,11 @@ def test_tp_cell_reads_every_head_slice(peer, monkeypatch, p_tp, d_tp, heads):
         deadline = time.monotonic() + 10  # every prefill rank frees it: read, or released
         while peer.freed_ranks(name, request["request_id"]) != set(range(p_tp)):
             assert time.monotonic() < deadline, peer.freed_ranks(name, request["request_id"])
+            # Decode goes on stepping, as the engine does: without a progress thread, the
+            # READ's done-notification leaves only while decode progresses (CI, seed
+            # 1996285838: no rank freed in 10 s when decode stopped polling at the READ).
+            for r in ranks:
+                r.sink.poll()
             time.sleep(0.02)
     finally:
         for r in ranks:
