@@ -282,3 +282,25 @@ def test_read_timeline_splits_the_claim_into_prefills_share_and_the_rest():
     old = [{k: v for k, v in r.items() if k not in ("prefill_answer_s", "claims")}
            for r in records]  # a read log from before: no such rows  # fmt: skip
     assert "prefill answering the claim" not in dict(read_timeline.rows(old))
+
+
+def test_curve_table_joins_the_runs_of_each_prompt_length(tmp_path):
+    """issue 21's curve across calls: every point of every run, ratios against the
+    NixlConnector and colocated engine of the same run, rounds left out named."""
+    from benchmarks.gpu import curve_table
+
+    res = ROOT / "results" / "gpu"
+    runs = [res / "2026-12-03d" / "raw" / "curve1024_results.json",
+            res / "2026-12-04" / "raw" / "curve16384_results.json",
+            res / "2026-12-04" / "raw" / "curve32768_results.json"]  # fmt: skip
+    md, png = tmp_path / "curve.md", tmp_path / "curve.png"
+    assert curve_table.main([*map(str, runs), "--md", str(md), "--png", str(png)]) == 0
+    rows = [line.split(" | ") for line in md.read_text().splitlines() if line.startswith("| 1")]
+    by = {(r[0].lstrip("| "), r[1]): r for r in rows}
+    assert len(rows) == 4 * 3 + 4 * 2 + 1  # 1k: 3 points, 16k: 2 points of 4 and ours-packed x 64
+    packed = by[("1k x 16", "ours-packed")]
+    assert packed[2] == "3" and packed[3] == "523 (482-616)"
+    assert packed[7:10] == ["1.01", "0.97", "1.01"] and packed[10].rstrip(" |") == "3.49"
+    assert by[("16k x 64", "ours-packed")][7] == "-"  # no NixlConnector run at that point
+    assert "32k x 64: colocated, nixl, ours-direct, ours-packed" in md.read_text()
+    assert png.stat().st_size > 10_000

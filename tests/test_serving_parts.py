@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -32,6 +33,8 @@ vllm:kvshare_read_seconds_count{engine="0",model_name="m"} 42.0
 vllm:kvshare_failed_loads_total{engine="0",model_name="m"} 1.0
 vllm:kvshare_failed_loads_created{engine="0",model_name="m"} 1.7e9
 vllm:gpu_cache_other 9
+vllm:num_preemptions_total{engine="0",model_name="m"} 7.0
+vllm:num_preemptions_created{engine="0",model_name="m"} 1.7e9
 vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="m"} 30.0
 vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 4.2
 vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 42.0
@@ -50,6 +53,7 @@ def test_prometheus_parse_and_engine_summary() -> None:
     assert summary["kvshare"] == {"read_seconds_count": 42.0, "failed_loads_total": 1.0}
     assert summary["seconds"]["ttft"] == [4.2, 42.0]  # sum, count (buckets not kept)
     assert summary["seconds"]["queue"] == [None, None]
+    assert summary["preemptions"] == 7.0
     assert not any("_bucket" in k and "time_to_first" in k for k in series)
     assert metrics.engine_summary(None) == {"up": False}
 
@@ -85,6 +89,32 @@ def test_scaling_plan_and_time_estimate() -> None:
     assert scaling.estimate([], 10**6) == 5.0
     # 1M tokens took 15 s (10 s past the fixed 5): 4M tokens, 45 s.
     assert scaling.estimate([(10**6, 15.0), (10**5, 5.5)], 4 * 10**6) == pytest.approx(45.0)
+
+
+def test_runner_allows_each_point_its_own_time_and_caps_the_shape_warmup(tmp_path: Path) -> None:
+    """The time budget is judged per point: a long point's slow runs do not stop the short
+    points after it. The shape warmup's prompts are capped at --shape-warmup-len, once per
+    capped length and concurrency, and its durations count for the point it ran at."""
+    from benchmarks.gpu.bench_serving import build_parser
+    from benchmarks.gpu.serving.runs import Runner
+
+    args = build_parser().parse_args(
+        ["--model-dir", str(tmp_path), "--out", str(tmp_path / "o"), "--input-len", "1024",
+         "16384", "32768", "--concurrency", "1", "64", "--shape-warmup-len", "4096"])  # fmt: skip
+    runner = Runner(args, [], tmp_path, tmp_path, None, 4096)  # type: ignore[arg-type]
+    assert runner.need({"input_len": 1024, "concurrency": 1, "num_prompts": 4}) == 35.0
+    runner.durations = [38.0]  # a timed run anywhere: the bound for points not seen yet
+    assert runner.need({"input_len": 1024, "concurrency": 1, "num_prompts": 4}) == 43.0
+    runner.at_point = {(1024, 1): [(4, 2.0), (4, 3.0)], (32768, 64): [(64, 110.0)]}
+    assert runner.need({"input_len": 1024, "concurrency": 1, "num_prompts": 8}) == 11.0
+    assert runner.need({"input_len": 32768, "concurrency": 64, "num_prompts": 64}) == 115.0
+    waves: list[dict[str, Any]] = []
+    runner.bench = lambda p, run: waves.append(run)  # type: ignore[method-assign]
+    runner.snapshot = lambda p, tag: None  # type: ignore[method-assign]
+    runner.shape_warmup(SimpleNamespace(name="ours"))  # type: ignore[arg-type]
+    assert [(w["input_len"], w["concurrency"], w["num_prompts"]) for w in waves] == [
+        (1024, 1, 1), (1024, 64, 64), (4096, 1, 1), (4096, 64, 64)]  # fmt: skip
+    assert all(w["warmup"] and w["round"] == -1 for w in waves)
 
 
 def _fault_data(t0: float, victim: str = "prefill", action: str = "kill") -> dict[str, Any]:
@@ -301,6 +331,31 @@ def test_fault_matrix_sets_throughput_against_the_fault_free_run(tmp_path: Path)
     text = (tmp_path / "fault_matrix.md").read_text()
     assert "| 250 (78 %) FAIL |" in text and "| 300 (94 %) |" in text
     assert "| 370 (92 %) PASS |" in text
+
+
+def test_fault_matrix_compares_throughput_only_under_the_same_load(tmp_path: Path) -> None:
+    """Small pools run at twice the rate: no ratio against the fault-free run (it would
+    read as a loss), the load named instead; its preemptions are in the note."""
+    cases = fault_matrix.pick(["0", "g", "a"])
+    assert fault_matrix.load_of(cases[0]) == fault_matrix.load_of(cases[2])
+    assert fault_matrix.load_of(cases[0]) != fault_matrix.load_of(cases[1])
+    t0 = 1_000_000.0
+    for case, value, preempted in zip(cases, (114.0, 92.0, 110.0), (0.0, 12.0, 0.0),
+                                      strict=True):  # fmt: skip
+        data = _fault_data(t0)
+        data["final_kvshare"]["decode0"]["vllm:num_preemptions_total"] = preempted
+        summary = fault_report.summarize(data, {**_result(), "output_throughput": value},
+                                         t0 + 61.0, 30.0)  # fmt: skip
+        assert summary["measured"]["preemptions"]["decode0"] == preempted
+        (tmp_path / case.name).mkdir()
+        (tmp_path / case.name / "faults.json").write_text(json.dumps(summary))
+    rows = {r["case"]: r for r in fault_matrix.write_table(tmp_path, cases, {})}
+    assert rows["small_pools"]["throughput_vs_fault_free"] is None
+    assert rows["prefill_claim"]["throughput_vs_fault_free"] == pytest.approx(110 / 114, abs=1e-3)
+    text = (tmp_path / "fault_matrix.md").read_text()
+    small = "| 92 (another load: 8 req/s, 0.125 GiB of KV per engine) | preemptions: decode0 12 |"
+    assert small in text
+    assert "| 110 (96 %) |  |" in text
 
 
 def test_scaling_report_marks_points_not_reached_and_plots(tmp_path: Path) -> None:

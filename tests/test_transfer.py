@@ -18,6 +18,7 @@ from kvshare_connector.layout.descriptors import transfer_descriptors
 from kvshare_connector.layout.matching import EngineIdentity, pair_owners
 from kvshare_connector.transfer import kv_params
 from kvshare_connector.transfer.nixl import PROGRESS_THREAD_ENV, progress_thread_default
+from kvshare_connector.transfer.records import PHASES
 
 from .support.transfer_decode import (
     E2B,
@@ -149,6 +150,10 @@ def test_the_reads_of_one_step_are_all_posted_before_any_is_watched(peer, decode
     posted = [r.timeline["posted"] + reads_created(decoder, r) for r in records.values()]
     arrived = [r.timeline["arrived"] + reads_created(decoder, r) for r in records.values()]
     assert max(posted) <= min(arrived), (posted, arrived)
+    for record in records.values():  # every phase a load passes, in order
+        marks = [(p, record.timeline[p]) for p in PHASES if p in record.timeline]
+        assert {"posted", "arrived", "launched", "landed"} <= {p for p, _ in marks}, marks
+        assert [t for _, t in marks] == sorted(t for _, t in marks), marks
     for rid, (request, local_ids) in reads.items():
         assert kvcheck.mismatches(decoder.stack.kv_caches, decoder.topology, local_ids,
                                   seed=request["seed"]) == [], rid  # fmt: skip

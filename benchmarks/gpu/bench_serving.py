@@ -229,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--warmup-len", type=int, default=2048, help="warmup prompt length cap")
     add("--no-shape-warmup", dest="shape_warmup", action="store_false",
         help="rounds: skip the untimed wave per point and deployment before round 0")
+    add("--shape-warmup-len", type=int, default=0,
+        help="rounds: cap the untimed wave's prompt length (0: each point's own length)")
     add("--gpu-mem", type=float, default=0.3, help="gpu-memory-utilization per engine")
     add("--kv-cache-gib", type=float, default=None,
         help="fixed KV cache per engine (--kv-cache-memory-bytes): no memory profiling, so "

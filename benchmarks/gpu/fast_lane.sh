@@ -27,9 +27,13 @@
 #            3 rotated rounds; eager engines (no CUDA graphs: no torch.compile in the lease)
 #   curve    issue 21's curve at one prompt length per call (CURVE_LEN, default 1024; then
 #            4096, 16384, 32768): ours packed, ours block by block, NixlConnector and
-#            colocated, all up at once, concurrency 1 16 64, 3 rotated rounds (what the
-#            time budget reaches); CURVE_KV_GIB per engine (default 4: 7 engines share the GPU);
-#            2 prompts per concurrency slot up to 4k, 1 beyond (a 32k x 64 run is 2M tokens)
+#            colocated, all up at once, concurrency CURVE_CONC (default 1 16 64),
+#            CURVE_ROUNDS rotated rounds (default 3; what the time budget reaches); CURVE_KV_GIB
+#            per engine (default 4: 7 engines share the GPU); 2 prompts per concurrency slot
+#            up to 4k, 1 beyond; the untimed shape wave's prompts capped at 4k. What fits one
+#            call (2026-12-04, ~115 s to start): 16k with CURVE_CONC="1 16", 16k x 64 with
+#            CURVE_ROUNDS=2, 32k with CURVE_CONC="1 16"; a 32k x 64 run (2M prompt tokens)
+#            takes ~110 s per deployment, so 3 rounds of it do not fit one call
 #   firsttoken  concurrency 1 at 1k and 4k (ours packed, NixlConnector, colocated, 3 rounds)
 #            with FT_MODE=sync (eager, every engine --no-async-scheduling) or graphs (CUDA
 #            graphs and torch.compile, async scheduling as vLLM's default): whether PD's
@@ -133,12 +137,14 @@ for step in "$@"; do
       weights
       len=${CURVE_LEN:-1024}
       pps=2; [ "$len" -gt 4096 ] && pps=1
+      # shellcheck disable=SC2086
       python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/curve$len" \
         --deployments ours nixl colocated --ours-variants packed='{}' direct='{"staging_mib": 0}' \
         --prefill-gpu 0 --decode-gpu 0 --colocated-gpu 0 --gpu-mem 0.13 \
         --kv-cache-gib "${CURVE_KV_GIB:-4}" --enforce-eager --input-len "$len" \
-        --concurrency 1 16 64 --num-prompts 0 --prompts-per-slot $pps --min-prompts 4 \
-        --output-len 32 --rounds 3 --warmup-requests 4 --serve-args "--max-num-seqs 64" \
+        --concurrency ${CURVE_CONC:-1 16 64} --num-prompts 0 --prompts-per-slot $pps \
+        --min-prompts 4 --output-len 32 --rounds "${CURVE_ROUNDS:-3}" --warmup-requests 4 \
+        --shape-warmup-len 4096 --serve-args "--max-num-seqs 64" \
         --time-budget "${TIME_BUDGET:-540}" --grace 10 --keep-raw > "$OUT/curve$len.log" 2>&1
       rc=$?; echo "curve $len: exit $rc"; pack "curve$len"
       ;;

@@ -9,12 +9,14 @@ from dataclasses import dataclass, field
 # A read's phases, in order (``TransferRecord.timeline``: seconds since the order came):
 # asked: the first claim left (the handshake and lane probe before it, when new);
 # claimed: prefill answered the claim (lease extended, packed slot and digests named);
-# posted: the READ was handed to NIXL; arrived: NIXL said it is done (the scatter and
-# decode's digests are launched then); landed: its bytes are in decode's blocks (after
-# the scatter, when packed) and the digests taken; verified: decode's digests matched
+# posted: the READ was handed to NIXL; arrived: NIXL said it is done; launched: the
+# scatter and decode's digests are queued on the device (arrived -> launched is the host's
+# share of the landing, launched -> landed the device's and the wait until decode looks);
+# landed: its bytes are in decode's blocks (after the scatter, when packed) and the
+# digests taken; verified: decode's digests matched
 # prefill's (verify_kv); reported: the engine learned the load is done (the poll that
 # returned it).
-PHASES = ("asked", "claimed", "posted", "arrived", "landed", "verified", "reported")
+PHASES = ("asked", "claimed", "posted", "arrived", "launched", "landed", "verified", "reported")
 
 
 @dataclass(frozen=True)

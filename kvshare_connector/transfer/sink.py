@@ -350,6 +350,7 @@ class KVSink:
             digests = self.digester.start(self.topology, plan.local_ids, after=scatter)
         read.landing = Landing(scatter, digests)
         read.phase = Phase.LAND
+        read.mark("launched")
 
     def _landed(self, read: Read) -> None:
         """The scatter is done: the staging slot serves the next read."""

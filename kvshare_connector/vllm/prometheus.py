@@ -80,7 +80,7 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
         self.phases = self._histogram_cls(
             name="vllm:kvshare_load_phase_seconds",
             documentation="Where a KV load's time goes: seconds from decode's load order to "
-            "each phase (asked, claimed, posted, arrived, landed, verified, reported); "
+            "each phase (asked, claimed, posted, arrived, launched, landed, verified, reported); "
             "prefill_held: how long prefill held the request before decode's claim came; "
             "prefill_answer: how long prefill took to answer the claim.",
             buckets=_SECONDS_BUCKETS,

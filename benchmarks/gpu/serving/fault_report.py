@@ -205,6 +205,9 @@ def measured(data: dict[str, Any], result: dict[str, Any] | None,
         "fault_to_first_good_s": round(good - fault, 2) if good and fault else None,
         "healthy_to_first_good_s": round(good - healthy, 2) if good and healthy else None,
         "usage_after_drain": data.get("usage_after_drain") or {},
+        # requests vLLM preempted (freed their KV to make room), each engine's whole life
+        "preemptions": {n: metrics.total(s or {}, metrics.PREEMPTIONS + "_total")
+                        for n, s in (data.get("final_kvshare") or {}).items()},
     }  # fmt: skip
 
 

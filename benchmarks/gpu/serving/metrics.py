@@ -20,7 +20,9 @@ import httpx
 #: arrival at its own server, so PD's decode leg shows apart from the prefill leg).
 SECONDS = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
            "prefill": "vllm:request_prefill_time_seconds"}  # fmt: skip
+PREEMPTIONS = "vllm:num_preemptions"  # a counter: ``_total`` in the exposition
 KEEP = (
+    PREEMPTIONS,
     "vllm:kv_cache_usage_perc",
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
@@ -87,6 +89,7 @@ def engine_summary(series: dict[str, float] | None) -> dict[str, Any]:
         "kv_cache_usage": total(series, "vllm:kv_cache_usage_perc"),
         "running": total(series, "vllm:num_requests_running"),
         "waiting": total(series, "vllm:num_requests_waiting"),
+        "preemptions": total(series, PREEMPTIONS + "_total"),
         "kvshare": ours,
         "seconds": {k: [total(series, f"{name}_sum"), total(series, f"{name}_count")]
                     for k, name in SECONDS.items()},

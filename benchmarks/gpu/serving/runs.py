@@ -33,6 +33,9 @@ class Runner:
         self.t0 = time.monotonic()
         self.check_records: dict[str, list[dict[str, Any]]] = {}
         self.durations: list[float] = []  # seconds of the timed runs so far
+        # (input_len, concurrency) -> (prompts, seconds) of each run there, shape warmup
+        # included: what the next run at that point will take
+        self.at_point: dict[tuple[int, int], list[tuple[int, float]]] = {}
 
     # -- deployments ---------------------------------------------------------------------
 
@@ -122,11 +125,16 @@ class Runner:
         """One untimed wave per point (``concurrency`` prompts of each input length) before
         the timed rounds: a deployment's first run at a new batch shape paid seconds of
         one-time work (2026-12-03b: whichever deployment ran a point first in round 0 had
-        a TTFT p99 of 2.3-3.4 s there). In runs.jsonl as ``warmup``; the report skips them."""
+        a TTFT p99 of 2.3-3.4 s there). ``--shape-warmup-len`` caps the prompts' length:
+        the batch shapes are the concurrency's and the chunked-prefill budget's, and a
+        32k x 64 wave took ~110 s per deployment (2026-12-04). In runs.jsonl as
+        ``warmup``; the report skips them."""
         a = self.args
         if not a.shape_warmup or p.name in self.broken:
             return
-        for length in a.input_len:
+        cap = a.shape_warmup_len or max(a.input_len)
+        lengths = sorted({min(length, cap) for length in a.input_len})
+        for length in lengths:
             for conc in a.concurrency:
                 self.bench(p, dict(round=-1, input_len=length, output_len=a.output_len,
                                    concurrency=conc, num_prompts=conc, seed=a.seed + 555,
@@ -167,12 +175,27 @@ class Runner:
         if rc != 0:
             self.failures += 1
         else:
-            self.durations.append(run["end"] - run["start"])
+            seconds = run["end"] - run["start"]
+            if not run["warmup"]:
+                self.durations.append(seconds)
+            point = (run["input_len"], run["concurrency"])
+            self.at_point.setdefault(point, []).append((run["num_prompts"], seconds))
         with open(self.raw / "runs.jsonl", "a") as f:
             f.write(json.dumps(run) + "\n")
         if not run["warmup"]:
             self.snapshot(p, f"run:{run['file']}")  # this run's engine means: since the last
         print(f"[bench] {stem}: rc {rc} in {run['end'] - run['start']:.0f}s", flush=True)
+
+    def need(self, run: dict[str, Any]) -> float:
+        """Seconds to allow for ``run``: the slowest run at its point so far, scaled to its
+        prompts (else the slowest timed run anywhere, else 30), plus 5. Per point, so a
+        budget too short for the next long point still runs the short ones after it (on
+        2026-12-04 a 16k curve's 38 s runs at concurrency 64 stopped every later 10 s run
+        at concurrency 1)."""
+        seen = self.at_point.get((run["input_len"], run["concurrency"]))
+        if seen:
+            return max(s * run["num_prompts"] / max(n, 1) for n, s in seen) + 5.0
+        return max(self.durations, default=30.0) + 5.0
 
     def skip(self, p: Planned, run: dict[str, Any], why: str) -> None:
         """A run not made (time budget): in the manifest, so the report says so."""
@@ -219,7 +242,7 @@ class Runner:
             points = list(zip(*(self.runs_for(p, rnd) for p in rotated), strict=True))
             for at_point in points:
                 for p, run in zip(rotated, at_point, strict=True):
-                    need = max(self.durations, default=30.0) + 5.0  # the slowest run so far
+                    need = self.need(run)
                     if self.left() < need:
                         self.skip(
                             p, run, f"time budget ({self.left():.0f}s left, ~{need:.0f}s needed)"
