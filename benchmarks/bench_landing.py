@@ -6,8 +6,8 @@ On one H200 (results/gpu/2026-12-04) a 16k request's packed READ took 0.15-0.42 
 arrived -> landed (scatter and digests) took 10-15 ms, and block by block spent 28 ms
 between the claim and the READ posted. This times the host's share of each step, with
 vLLM-laid-out CPU tensors (``devtools.cpu_stack``):
-- the descriptors (``transfer_descriptors``) and the packed plan (``packed_read_of``), both
-  before the READ;
+- the descriptors (``transfer_descriptors``), NIXL's preparation of them (no post), and the
+  packed plan (``packed_read_of``), all before the READ;
 - the index plans of the scatter (``word_indices``) and of the digests (``Digester._plan``);
 - comparing the digests (``compare``).
 
@@ -39,6 +39,33 @@ def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
         out = fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times), out
+
+
+def nixl_prepare(topo: Any, local: np.ndarray, remote: np.ndarray,
+                 repeat: int) -> tuple[str, float, str]:  # fmt: skip
+    """NIXL's share of posting a block-by-block READ: the descriptor lists and
+    ``initialize_xfer`` for the request's rows, between two agents in this process (nothing
+    is posted; UCX's per-descriptor post is what is left of the GPU's claimed -> posted)."""
+    import uuid
+
+    from kvshare_connector.transfer.nixl import NixlTransport
+
+    ours, theirs = (NixlTransport(f"landing-{uuid.uuid4().hex[:8]}", progress_thread=False)
+                    for _ in range(2))  # fmt: skip
+    for transport in (ours, theirs):
+        transport.register(topo.regions)
+    peer = ours.add_peer(theirs.metadata())
+
+    def prepare() -> None:
+        descs = ours.agent.get_xfer_descs(local, "DRAM"), ours.agent.get_xfer_descs(remote, "DRAM")
+        ours.release(ours.agent.initialize_xfer("READ", *descs, peer, b"landing"))
+
+    try:
+        ms, _ = timed(prepare, repeat)
+    finally:
+        for transport in (ours, theirs):
+            transport.close()
+    return "NIXL descriptor lists + initialize_xfer (not posted)", ms, f"{len(local):,} rows"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ms, (local, remote) = timed(lambda: transfer_descriptors(
         plan, decode_ids, prefill_ids, topo.num_blocks, topo.num_blocks), args.repeat)  # fmt: skip
     rows.append(("descriptors (transfer_descriptors)", ms, f"{len(local):,} rows"))
+    rows.append(nixl_prepare(topo, local, remote, args.repeat))
     layout = PackedLayout.of(request_descriptors(topo, prefill_ids))
     ms, packed = timed(lambda: packed_read_of(topo, prefill_ids, layout.nbytes, local, remote),
                        args.repeat)  # fmt: skip

@@ -171,6 +171,7 @@ def test_landing_benchmark_times_each_host_step(tmp_path):
     assert bench_landing.main(["--tokens", "512", "--repeat", "1", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     steps = [row["step"].split(" (")[0].split(",")[0] for row in data["rows"]]
-    assert steps == ["descriptors", "packed plan", "scatter index plan", "digest plan",
-                     "scatter", "digests", "compare digests"]  # fmt: skip
+    assert steps == ["descriptors", "NIXL descriptor lists + initialize_xfer", "packed plan",
+                     "scatter index plan", "digest plan", "scatter", "digests",
+                     "compare digests"]  # fmt: skip
     assert data["bytes"] > 0 and all(row["ms"] >= 0 for row in data["rows"])

@@ -209,7 +209,8 @@ def load_of(case: Case) -> tuple[Any, ...]:
 
 def _load_text(case: Case) -> str:
     o = options(case)
-    return f"{o.fault_rate:g} req/s, {o.kv_cache_gib:g} GiB of KV per engine"
+    kv = "vLLM's share" if o.kv_cache_gib is None else f"{o.kv_cache_gib:g} GiB"
+    return f"{o.fault_rate:g} req/s, {kv} of KV per engine"
 
 
 def throughput_judged(case: Case) -> bool:
