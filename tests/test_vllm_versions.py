@@ -9,6 +9,7 @@ Tests of one release skip on the other, saying why.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -172,11 +173,12 @@ def test_sleep_drops_registrations_and_wake_serves_again():
         params = prefill.outputs["p1"].kv_transfer_params
         decode = Engine("g4tiny", "per_layer", "kv_consumer", pick_free_port())
         decode.add("d1", 200, 2, params, 1)
-        deadline_steps = 0
-        while "d1" not in decode.outputs and deadline_steps < 20000:
+        # A time bound, not a step count: idle steps are fast, and 20,000 of them once ran
+        # out before the handshake with the re-registered prefill was done (2026-12-04).
+        deadline = time.monotonic() + 60.0
+        while "d1" not in decode.outputs and time.monotonic() < deadline:
             decode.step()
             prefill.step()
-            deadline_steps += 1
         assert decode.loaded == {"d1": []}
         assert decode.outputs["d1"].kv_transfer_params is None  # no load error
     finally:
