@@ -206,7 +206,7 @@ def measured(data: dict[str, Any], result: dict[str, Any] | None,
         "healthy_to_first_good_s": round(good - healthy, 2) if good and healthy else None,
         "usage_after_drain": data.get("usage_after_drain") or {},
         # requests vLLM preempted (freed their KV to make room), each engine's whole life
-        "preemptions": {n: metrics.total(s or {}, metrics.PREEMPTIONS + "_total")
+        "preemptions": {n: metrics.total(s or {}, metrics.PREEMPTIONS_TOTAL)
                         for n, s in (data.get("final_kvshare") or {}).items()},
     }  # fmt: skip
 

@@ -412,16 +412,14 @@ class FaultRun:
         return None
 
 
-PREEMPTED = metrics.PREEMPTIONS + "_total"
-
-
 def _raw_kvshare(url: str) -> dict[str, float] | None:
     """Our connector's series on one engine, and vLLM's preemption count (None: it does
     not answer)."""
     series = metrics.scrape(url, timeout=3.0)
     if series is None:
         return None
-    return {k: v for k, v in series.items() if k.startswith("vllm:kvshare_") or k == PREEMPTED}
+    return {k: v for k, v in series.items()
+            if k.startswith("vllm:kvshare_") or k == metrics.PREEMPTIONS_TOTAL}  # fmt: skip
 
 
 def run_faults(runner: Runner, out: Path) -> int:

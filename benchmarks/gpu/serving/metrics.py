@@ -21,6 +21,7 @@ import httpx
 SECONDS = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
            "prefill": "vllm:request_prefill_time_seconds"}  # fmt: skip
 PREEMPTIONS = "vllm:num_preemptions"  # a counter: ``_total`` in the exposition
+PREEMPTIONS_TOTAL = PREEMPTIONS + "_total"
 KEEP = (
     PREEMPTIONS,
     "vllm:kv_cache_usage_perc",
@@ -89,7 +90,7 @@ def engine_summary(series: dict[str, float] | None) -> dict[str, Any]:
         "kv_cache_usage": total(series, "vllm:kv_cache_usage_perc"),
         "running": total(series, "vllm:num_requests_running"),
         "waiting": total(series, "vllm:num_requests_waiting"),
-        "preemptions": total(series, PREEMPTIONS + "_total"),
+        "preemptions": total(series, PREEMPTIONS_TOTAL),
         "kvshare": ours,
         "seconds": {k: [total(series, f"{name}_sum"), total(series, f"{name}_count")]
                     for k, name in SECONDS.items()},
