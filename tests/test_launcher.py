@@ -465,6 +465,9 @@ def test_free_port_run_is_below_the_ephemeral_range_and_skips_a_taken_port(
         ephemeral_low = int(f.read().split()[0])
     base = free_port_run(8)
     assert base >= 10000 and base + 8 <= ephemeral_low
+    # The single pick too: a port from bind(0) can be handed to the child's own sockets
+    # before the child listens on it.
+    assert 10000 <= pick_free_port() < ephemeral_low
     # Take the middle port of that run: a second pick starting there must move on.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
         taken.bind(("127.0.0.1", base + 4))

@@ -50,7 +50,11 @@ class Child:
             if line.startswith(prefix):
                 return json.loads(line[len(prefix) :])
         tail = "".join(self.log[-30:])
-        raise TimeoutError(f"child did not print {prefix!r} in {timeout_s} s; last output:\n{tail}")
+        code = self.process.poll()
+        why = f"exited with code {code} before printing" if code is not None else "did not print"
+        raise TimeoutError(
+            f"child {why} {prefix!r} (waited up to {timeout_s} s); last output:\n{tail}"
+        )
 
     def kill(self) -> None:
         if self.process.poll() is None:

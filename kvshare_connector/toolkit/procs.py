@@ -28,10 +28,12 @@ class LaunchError(RuntimeError):
 
 
 def pick_free_port(host: str = "127.0.0.1") -> int:
-    """An unused TCP port (the OS's pick). Racy by nature, fine for tests and local runs."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """An unused TCP port below the kernel's ephemeral range. Racy by nature, fine for tests
+    and local runs; the port lies outside the range the kernel hands to client sockets and
+    to ``bind(0)``, so nothing in the child (vLLM's distributed store, NIXL's listener, a
+    connection) takes it between this pick and the bind (seen in CI: the side channel's
+    port taken before the prefill child listened)."""
+    return free_port_run(1, host)
 
 
 @contextlib.contextmanager
