@@ -139,6 +139,22 @@ def test_extra_configs_merge_in_order(tmp_path: Path, model_dir: Path) -> None:
         _plan(tmp_path, model_dir, "--extra-config", "[1]")
 
 
+def test_first_token_from_decode_per_deployment(tmp_path: Path, model_dir: Path) -> None:
+    """Our proxy streams prefill's first token unless a deployment (name or kind) is told to
+    have decode sample it again: the before/after of the hand-off in one run."""
+    from kvshare_connector.toolkit.launcher import proxy_argv
+
+    _, planned = _plan(
+        tmp_path, model_dir, "--ours-variants", "ftp={}", "ftd={}", "--deployments", "ours",
+        "nixl", "--first-token-from-decode", "ours-ftd", "nixl",
+    )  # fmt: skip
+    first = {p.name: _arg(proxy_argv(p.deployment.cfg, p.deployment.engines), "--first-token")
+             for p in planned}  # fmt: skip
+    assert first == {"ours-ftp": "prefill", "ours-ftd": "decode", "nixl": "decode"}
+    with pytest.raises(SystemExit, match="no such deployment"):
+        _plan(tmp_path, model_dir, "--first-token-from-decode", "ours-ftx")
+
+
 def test_kvcached_per_deployment_and_fixed_kv_size(tmp_path: Path, model_dir: Path) -> None:
     """One run can hold plain and kvcached variants of ours; a fixed KV size skips vLLM's
     memory profiling and starts every engine at once."""

@@ -127,6 +127,45 @@ def test_pd_transfer_through_vllm_scheduler(prefill_engine, engines, tmp_path):
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
 
+def test_a_decode_prompt_extending_prefills_loads_prefills_tokens_and_computes_the_rest(
+    engines,
+):
+    """The first-token hand-off (toolkit/first_token.py): decode's prompt is prefill's plus
+    the token prefill sampled. Decode loads the KV of prefill's prompt, byte for byte in
+    every layer, and computes the one position prefill had no KV for. p0 has 304 tokens,
+    19 blocks of 16 exactly, so the appended token starts a block prefill never had. The
+    controls: a prompt of the same length whose prefix is another, and a prompt shorter than
+    prefill's, are refused before any claim and computed locally."""
+    port = pick_free_port()
+    child = start_prefill(port, 304, 2, "--lease-s", "60", cwd=ROOT)
+    try:
+        requests = child.wait_json(READY, 180)["requests"]
+        decode = engines("g4tiny", "per_layer", "kv_consumer", pick_free_port())
+        p0 = requests["p0"]["kv_transfer_params"]
+        assert p0["remote_prompt_tokens"] == 304
+        # engine_sim's prompts depend on the seed: seeds 9 and 7 are other prompts (not
+        # seed 0's, whose blocks decode would then find in its prefix cache, unwritten).
+        decode.add("x9", 305, 3, dict(p0), 9)
+        decode.add("x7", 303, 3, dict(p0), 7)
+        decode.run_until(lambda: {"x9", "x7"} <= set(decode.outputs))
+        errors = {r: decode.outputs[r].kv_transfer_params["kv_load_error"] for r in ("x9", "x7")}
+        assert "digest of the prompt's first 304 of 305 token ids differs" in errors["x9"]
+        assert "prefill had 304 prompt tokens, this request has 303" in errors["x7"]
+        assert sum(s.get("reads", 0) for s in decode.stats) == 0
+
+        # d<i> gets the prompt of length 305 + 37 i with seed i: p<i>'s and one token more.
+        report = decode_requests(decode, requests, 305)
+        result = child.wait_json(RESULT, 60)
+    finally:
+        child.kill()
+    assert decode.loaded == {"d0": [], "d1": []}, decode.loaded
+    assert all(r["kv_transfer_params"] is None for r in report.values())  # no load error
+    assert sum(s["reads"] for s in decode.stats) == 2
+    assert result["held"] == [] and result["free_blocks"] == result["total_blocks"]
+    pool = decode.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
 def test_unreachable_prefill_and_malformed_params_are_computed_locally(engines):
     # vLLM 0.26 under HMA: the connector recomputes whatever the policy; from 0.30 vLLM's
     # kv_load_failure_policy decides, and "recompute" computes locally.
@@ -355,6 +394,23 @@ def test_pd_through_lmcache_backend(monkeypatch, engines):
             report = decode_requests(decode, ready["requests"], 300)
             assert decode.loaded == {"d0": [], "d1": []}
             assert all(r["kv_transfer_params"] is None for r in report.values())
+            # (decode's scheduler turned do_remote_prefill off in the params it was given)
+            params = {
+                rid: dict(info["kv_transfer_params"], do_remote_prefill=True)
+                for rid, info in ready["requests"].items()
+            }
+
+            # The first-token hand-off: decode's prompt is prefill's and one token more; a
+            # fresh decode (the first one's prefix cache now holds these prompts) loads
+            # prefill's 300 and 337 tokens from LMCache.
+            longer = engines(
+                "g4tiny", "per_layer", "kv_consumer", pick_free_port(), lmcache_extra(url)
+            )
+            report = decode_requests(
+                longer, {rid: {"kv_transfer_params": dict(p)} for rid, p in params.items()}, 301
+            )
+            assert longer.loaded == {"d0": [], "d1": []}
+            assert all(r["kv_transfer_params"] is None for r in report.values())
 
             # Negative control: the same load skipped (reported done, nothing moved) fails the
             # same check.
@@ -367,13 +423,8 @@ def test_pd_through_lmcache_backend(monkeypatch, engines):
                 connector="LoadSkippingConnector",
                 module_path="kvshare_connector.devtools.negative_control",
             )
-            # (decode's scheduler turned do_remote_prefill off in the params it was given)
-            again = dict(ready["requests"]["p0"]["kv_transfer_params"], do_remote_prefill=True)
-            skipped = dict(
-                ready["requests"]["p1"]["kv_transfer_params"],
-                do_remote_prefill=True,
-                kvshare_test_skip_load=True,
-            )
+            again = dict(params["p0"])
+            skipped = dict(params["p1"], kvshare_test_skip_load=True)
             decode_requests(
                 skipper,
                 {"p0": {"kv_transfer_params": again}, "p1": {"kv_transfer_params": skipped}},
@@ -383,8 +434,7 @@ def test_pd_through_lmcache_backend(monkeypatch, engines):
             assert skipper.loaded["d1"], "a skipped LMCache load went unnoticed"
 
             # A prompt prefill never stored misses and is computed locally.
-            params = dict(ready["requests"]["p0"]["kv_transfer_params"], do_remote_prefill=True)
-            other = {"p7": {"kv_transfer_params": params}}
+            other = {"p7": {"kv_transfer_params": dict(params["p0"])}}
             report = decode_requests(decode, other, 333)
             assert "kv_load_error" in (report["d7"]["kv_transfer_params"] or {})
             pool = decode.scheduler.kv_cache_manager.block_pool

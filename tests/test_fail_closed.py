@@ -122,9 +122,21 @@ def test_prefill_states_its_prompt_and_decode_compares():
     )
     other = [*ids[:-1], 7]
     assert "digest of the prompt's 300 token ids" in kv_params.prompt_mismatch(parsed, other)
-    # A proxy or prefill of elsewhere: nothing to compare, accepted.
+    # A prompt that extends prefill's (the first-token hand-off) is prefill's for its first
+    # 300 tokens: those are compared and loaded, the rest is decode's to compute.
+    assert kv_params.prompt_mismatch(parsed, [*ids, 11, 12]) is None
+    assert kv_params.loaded_prompt_tokens(parsed, 302) == 300
+    assert kv_params.loaded_prompt_tokens(parsed, 300) == 300
+    assert "the prompt's first 300 of 301 token ids" in kv_params.prompt_mismatch(
+        parsed, [*other, 11]
+    )
+    # A proxy or prefill of elsewhere: nothing to compare, accepted, and no prefix is taken
+    # on its word: the whole prompt counts (the block counts then refuse another length).
     legacy = {k: v for k, v in params.items() if not k.startswith("remote_prompt")}
     assert kv_params.prompt_mismatch(kv_params.remote_prefill_params(legacy), other) is None
+    assert kv_params.loaded_prompt_tokens(kv_params.remote_prefill_params(legacy), 302) == 302
+    undigested = {k: v for k, v in params.items() if k != "remote_prompt_digest"}
+    assert kv_params.loaded_prompt_tokens(kv_params.remote_prefill_params(undigested), 302) == 302
 
 
 def test_decode_scheduler_refuses_another_prompt_and_computes_it_locally():

@@ -84,3 +84,11 @@ def test_nothing_to_join_says_so() -> None:
     files = _files()
     del files["logs/ours/proxy.log"]
     assert ttft_split.table(files).startswith("no request joined")
+
+
+def test_a_first_token_from_prefill_is_logged_as_prefill_answers() -> None:
+    """That line is written when prefill answered: no decode time to take off."""
+    line = (f"{_stamp(T0)} INFO kvshare_connector.toolkit.proxy: req=pd-1 /v1/completions "
+            "prefill=http://p decode=http://d: prefill 61.5 ms, first token from prefill; "
+            "prompt as 7 token ids")  # fmt: skip
+    assert ttft_split.proxy_requests(line) == {"pd-1": (pytest.approx(T0), 0.0615)}

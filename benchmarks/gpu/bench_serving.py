@@ -193,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--served-model-name", default="kvshare-bench")
     add("--deployments", nargs="+", choices=KINDS, default=list(KINDS))
     add("--ours-variants", nargs="+", metavar="NAME=JSON", help='e.g. direct={"staging_mib":0}')
+    add("--first-token-from-decode", nargs="+", default=[], metavar="NAME",
+        help="deployments whose proxy has decode sample the first token again (vLLM's toy "
+        "proxy's way; default: our proxy streams prefill's, toolkit/first_token.py)")  # fmt: skip
     add("--extra-config", action="append", help="JSON merged into our "
         "kv_connector_extra_config; given again, merged in order (later keys win)")
     add("--engine-env", nargs="+", metavar="KEY=VALUE", help="env of every engine, e.g. "

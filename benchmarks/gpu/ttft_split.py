@@ -31,10 +31,11 @@ from typing import Any
 from benchmarks.gpu.read_timeline import percentile
 from benchmarks.gpu.serving_report import load_raw
 
-#: The proxy's line when it hands over the decode leg (older runs have no "prefill=").
+#: The proxy's line when it hands over the decode leg (older runs have no "prefill="), or
+#: streams prefill's first token (logged as prefill answers: no decode time in it).
 _PROXY = re.compile(
     r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO \S+ req=(\S+) .*?prefill ([\d.]+) ms, "
-    r"decode (?:stream opened|done) ([\d.]+) ms"
+    r"(?:decode (?:stream opened|done) ([\d.]+) ms|first token from prefill)"
 )
 _VLLM_ID = re.compile(r"^(?:chat)?cmpl-(.+)-\d+-[0-9a-f]+$")
 SPANS = ("prefill leg", "prefill answered -> decode order", "order -> claimed",
@@ -50,7 +51,7 @@ def proxy_requests(log: str) -> dict[str, tuple[float, float]]:
             continue
         when = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f")
         logged = when.replace(tzinfo=datetime.UTC).timestamp()
-        out[m.group(2)] = (logged - float(m.group(4)) / 1e3, float(m.group(3)) / 1e3)
+        out[m.group(2)] = (logged - float(m.group(4) or 0) / 1e3, float(m.group(3)) / 1e3)
     return out
 
 

@@ -202,13 +202,16 @@ class Engine:
         self.written[req_id] = blocks
 
     def check_loaded(self, req_id: str) -> list[str]:
-        """Does every layer hold prefill's pattern in the prompt blocks just loaded?"""
+        """Does every layer hold prefill's pattern in the prompt blocks just loaded? The
+        tokens loaded are the request's computed tokens when its load is reported: its whole
+        prompt, or prefill's prompt where decode's extends it (the first-token hand-off)."""
         request = self.scheduler.requests[req_id]
         ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
         blocks, firsts = [], []
-        kept = blocks_per_group(self.topology, request.num_prompt_tokens)  # window-clipped
+        loaded = request.num_computed_tokens
+        kept = blocks_per_group(self.topology, loaded)  # window-clipped
         for group, group_ids, keep in zip(self.topology.groups, ids, kept, strict=True):
-            n = math.ceil(request.num_prompt_tokens / group.spec.block_size)
+            n = math.ceil(loaded / group.spec.block_size)
             blocks.append([b for b in list(group_ids)[n - keep : n]])
             firsts.append(n - keep)
         # The prefill request that made this KV had the same index: "d3" <- "p3".
@@ -219,7 +222,7 @@ class Engine:
             blocks,
             seed=seed,
             first_positions=firsts,
-            num_tokens=request.num_prompt_tokens,
+            num_tokens=loaded,
         )
 
     def run_until(self, done, timeout_s: float = 60.0) -> None:

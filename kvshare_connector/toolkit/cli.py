@@ -63,6 +63,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
         _timeouts(args),
         log_level=args.log_level.lower(),
         hand_off_token_ids=not args.prompt_as_text,
+        first_token_from_prefill=args.first_token == "prefill",
     )
     return 0
 
@@ -99,6 +100,7 @@ def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
         help="send decode a completion's prompt as the client's text (default: as the token "
         "ids prefill computed, so decode's server does not tokenize it again)",
     )
+    _add_first_token(p)
     _add_timeouts(p)
     p.set_defaults(func=_run_proxy, check=_check_proxy)
 
@@ -132,6 +134,7 @@ def serve_config_from_args(args: argparse.Namespace) -> Any:
         parallel_start=args.parallel_start,
         proxy_timeouts=_timeouts(args),
         router=args.router,
+        first_token=getattr(args, "first_token", "prefill"),
         router_policy=args.router_policy,
         router_metrics_port=args.router_metrics_port,
         router_args=list(args.router_args or []),
@@ -224,6 +227,7 @@ def add_serve_pd_parser(sub: argparse._SubParsersAction) -> None:
     _add_engine_args(p)
     _add_process_args(p)
     _add_router_args(p)
+    _add_first_token(p)
     _add_timeouts(p)
     p.set_defaults(func=_run_serve_pd, check=_check_serve_pd)
 
@@ -330,6 +334,18 @@ def _add_process_args(p: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         help="write a JSON description (endpoint, pids, logs) here once ready",
+    )
+
+
+def _add_first_token(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--first-token",
+        choices=["prefill", "decode"],
+        default="prefill",
+        help="where a streamed completion's first token comes from: 'prefill' (default) "
+        "streams the token prefill sampled at once and decode generates the rest, where the "
+        "output is the same (docs/pd_toolkit.md); 'decode' samples it again on decode, "
+        "as vLLM's toy proxy does",
     )
 
 

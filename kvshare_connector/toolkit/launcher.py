@@ -108,6 +108,7 @@ class ServeConfig:
     parallel_start: bool | None = None  # None: one engine per GPU at a time; False: one at all
     proxy_timeouts: ProxyTimeouts = field(default_factory=ProxyTimeouts)
     router: str = "kvshare"  # one of ROUTERS
+    first_token: str = "prefill"  # our proxy: "prefill" streams prefill's token (first_token.py)
     router_policy: str = "round_robin"  # vllm-router's --policy (prefill and decode)
     router_metrics_port: int | None = None  # vllm-router's Prometheus port; None: a free one
     router_args: list[str] = field(default_factory=list)  # more vllm-router arguments
@@ -120,6 +121,8 @@ class ServeConfig:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.router not in ROUTERS:
             raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
+        if self.first_token not in ("prefill", "decode"):
+            raise ValueError(f"first_token must be prefill or decode, got {self.first_token!r}")
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("need at least one prefill and one decode server")
         if not self.prefill_gpus or not self.decode_gpus:
@@ -283,6 +286,7 @@ def proxy_argv(cfg: ServeConfig, engines: Sequence[EngineSpec]) -> list[str]:
         "--read-timeout",
         str(t.read),
     ]
+    argv += ["--first-token", cfg.first_token]
     argv += ["--prefill", *[e.url for e in engines if e.role == "prefill"]]
     argv += ["--decode", *[e.url for e in engines if e.role == "decode"]]
     return argv

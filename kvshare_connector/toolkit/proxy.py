@@ -6,7 +6,9 @@ hold the prompt's KV, then the original request plus the ``kv_transfer_params`` 
 answered, sent to a ``kv_consumer`` server that pulls the KV and generates. The parameter
 names are those of vLLM's NIXL connector, so this proxy also fronts NIXL deployments. A
 completions prompt given as text reaches decode as the token ids prefill computed
-(``pd_legs``), so decode's server does not tokenize it again.
+(``pd_legs``), so decode's server does not tokenize it again; where the output allows it, a
+streamed completion opens with the token prefill sampled and decode generates the rest
+(``first_token``).
 
 The proxy never imports vLLM: it is plain FastAPI + httpx, so it runs anywhere.
 Errors name the backend and the request id; backend 4xx (client errors) pass through
@@ -18,7 +20,6 @@ connection dropped without an answer is sent once more.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -31,6 +32,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvshare_connector.common.failpoints import FailpointError, failpoint
+from kvshare_connector.toolkit.first_token import (
+    FirstToken,
+    count_first_token_as_output,
+    decode_body_after,
+    first_token_of,
+    ineligible,
+    opening_events,
+)
 from kvshare_connector.toolkit.pd_legs import (  # noqa: F401 (PREFILL_KV_PARAMS: public here)
     PREFILL_KV_PARAMS,
     answered_token_ids,
@@ -44,9 +53,11 @@ from kvshare_connector.toolkit.proxy_backends import (
     ProxyTimeouts,
     RoundRobin,
     check_status,
+    error_event,
     snippet,
     transport_error,
 )
+from kvshare_connector.toolkit.proxy_streams import open_stream, relay
 
 logger = logging.getLogger(__name__)
 
@@ -84,11 +95,13 @@ class PDProxy:
         decode_urls: Sequence[str],
         timeouts: ProxyTimeouts,
         hand_off_token_ids: bool = True,
+        first_token_from_prefill: bool = True,
     ) -> None:
         self.prefill = RoundRobin(prefill_urls)
         self.decode = RoundRobin(decode_urls)
         self.timeouts = timeouts
         self.hand_off_token_ids = hand_off_token_ids  # pd_legs: decode gets prefill's ids
+        self.first_token_from_prefill = first_token_from_prefill  # first_token.py
         self.client: httpx.AsyncClient | None = None
 
     def _client(self) -> httpx.AsyncClient:
@@ -141,9 +154,9 @@ class PDProxy:
 
     async def run_prefill(
         self, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
-    ) -> tuple[dict[str, Any], list[int] | None]:
-        """Send the prefill request; return the ``kv_transfer_params`` it answered, and the
-        prompt's token ids when they were asked for and given."""
+    ) -> tuple[dict[str, Any], list[int] | None, dict[str, Any]]:
+        """Send the prefill request; return the ``kv_transfer_params`` it answered, the
+        prompt's token ids when they were asked for and given, and the whole answer."""
         want_ids = self.hand_off_token_ids and text_prompt(path, body)
         prefill_body = make_prefill_body(body, want_token_ids=want_ids)
         resp = await self._post("prefill", url, path, prefill_body, headers)
@@ -166,7 +179,7 @@ class PDProxy:
                 server=url,
                 kind="bad_backend_response",
             )
-        return kv, answered_token_ids(data, kv) if want_ids else None
+        return kv, answered_token_ids(data, kv) if want_ids else None, data
 
     async def run_decode(
         self, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
@@ -182,37 +195,50 @@ class PDProxy:
         self, url: str, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
     ) -> Response:
         """Open the decode stream first, so a refused request still gets a proper status."""
-        client = self._client()
-        try:
-            resp = await client.send(
-                client.build_request("POST", url + path, json=body, headers=headers), stream=True
-            )
-        except httpx.HTTPError as exc:
-            raise transport_error(exc, "decode", url, self.timeouts) from exc
-        if resp.status_code >= 400:
-            await resp.aread()
-            await resp.aclose()
-            check_status(resp, "decode", url)
-
-        async def relay() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in resp.aiter_bytes():  # decoded: content-encoding is not relayed
-                    yield chunk
-            except httpx.HTTPError as exc:
-                err = transport_error(exc, "decode", url, self.timeouts)
-                logger.error("req=%s stream broken: %s", request_id, err.message)
-                payload = {
-                    "error": {"message": err.message, "type": err.kind, "request_id": request_id}
-                }
-                yield f"data: {json.dumps(payload)}\n\n".encode()
-            finally:
-                await resp.aclose()
-
+        resp = await open_stream(self._client(), url, path, body, headers, self.timeouts)
         return StreamingResponse(
-            relay(),
+            relay(resp, url, request_id, self.timeouts),
             status_code=resp.status_code,
             media_type=resp.headers.get("content-type", "text/event-stream"),
             headers={REQUEST_ID_HEADER: request_id},
+        )
+
+    def stream_after_first(
+        self,
+        first: FirstToken,
+        path: str,
+        decode_body: dict[str, Any],
+        opening: list[bytes],
+        headers: dict[str, str],
+        request_id: str,
+        decode_url: str,
+    ) -> Response:
+        """The client's stream opens with prefill's token at once; the decode leg is sent
+        behind it, and a decode that fails is an error event (the stream is under way)."""
+
+        def open_leg(url: str) -> Awaitable[httpx.Response]:
+            return open_stream(self._client(), url, path, decode_body, headers, self.timeouts)
+
+        async def events() -> AsyncIterator[bytes]:
+            for event in opening:
+                yield event
+            if first.ends:  # prefill's KV goes at its lease: nobody will read it
+                logger.info("req=%s: the first token ends the answer (%s)", request_id,
+                            first.finish_reason)  # fmt: skip
+                return
+            try:
+                resp, url = await self._failover(self.decode, request_id, open_leg, decode_url)
+            except ProxyError as exc:
+                logger.error("req=%s decode leg after the first token: %s", request_id,
+                             exc.message)  # fmt: skip
+                yield error_event(exc, request_id)
+                return
+            edit = count_first_token_as_output
+            async for chunk in relay(resp, url, request_id, self.timeouts, edit):
+                yield chunk
+
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={REQUEST_ID_HEADER: request_id}
         )
 
     async def handle(self, request: Request, path: str) -> Response:
@@ -237,7 +263,9 @@ class PDProxy:
         t0 = time.perf_counter()
         sent: list[str] = []
 
-        def prefill_leg(url: str) -> Awaitable[tuple[dict[str, Any], list[int] | None]]:
+        def prefill_leg(
+            url: str,
+        ) -> Awaitable[tuple[dict[str, Any], list[int] | None, dict[str, Any]]]:
             # Each try after the first under an id of its own: a dropped try may have reached
             # prefill, which then holds KV under its id until the lease ends, and two holds
             # (and vLLM's requests) must not share one. Decode gets the id that answered.
@@ -245,7 +273,7 @@ class PDProxy:
             sent.append(headers[REQUEST_ID_HEADER])
             return self.run_prefill(url, path, body, headers)
 
-        (kv, token_ids), prefill_url = await self._failover(
+        (kv, token_ids, answer), prefill_url = await self._failover(
             self.prefill, request_id, prefill_leg, resend_dropped=True
         )
         request_id = headers[REQUEST_ID_HEADER]
@@ -257,6 +285,22 @@ class PDProxy:
             raise ProxyError(503, f"decode leg not sent ({exc}): prefill {prefill_url} holds "
                              "the request's KV until its lease ends", server=decode_url,
                              kind="decode_dropped") from exc  # fmt: skip
+        first = self._first_token(path, body, kv, token_ids, answer)
+        if first is not None and token_ids is not None:
+            logger.info(
+                "req=%s %s prefill=%s decode=%s: prefill %.1f ms, first token from prefill; "
+                "prompt as %d token ids",
+                request_id, path, prefill_url, decode_url, (t1 - t0) * 1e3, len(token_ids),
+            )  # fmt: skip
+            return self.stream_after_first(
+                first,
+                path,
+                decode_body_after(body, kv, token_ids, first),
+                opening_events(first, body, len(token_ids)),
+                headers,
+                request_id,
+                decode_url,
+            )
         decode_body = make_decode_body(body, kv, token_ids)
 
         def decode_leg(url: str) -> Awaitable[Response]:
@@ -281,6 +325,23 @@ class PDProxy:
         )
         response.headers[REQUEST_ID_HEADER] = request_id
         return response
+
+    def _first_token(
+        self,
+        path: str,
+        body: dict[str, Any],
+        kv: dict[str, Any],
+        token_ids: list[int] | None,
+        answer: dict[str, Any],
+    ) -> FirstToken | None:
+        """Prefill's token where it can open the client's stream (first_token.py): a
+        request that allows it, a prefill of ours (it states the prompt it computed, so
+        its decode takes a prompt extending it), the prompt's ids in hand."""
+        if not self.first_token_from_prefill or token_ids is None:
+            return None
+        if not kv.get("remote_prompt_digest") or ineligible(path, body):
+            return None
+        return first_token_of(answer)
 
     async def passthrough(self, request: Request, method: str, path: str) -> Response:
         """Forward a non-PD request (models, tokenize) to the next decode server."""
@@ -326,9 +387,16 @@ def create_app(
     *,
     max_connections: int | None = None,
     hand_off_token_ids: bool = True,
+    first_token_from_prefill: bool = True,
 ) -> FastAPI:
     """Build the proxy app. The httpx client lives in the app's lifespan (its event loop)."""
-    proxy = PDProxy(prefill_urls, decode_urls, timeouts or ProxyTimeouts(), hand_off_token_ids)
+    proxy = PDProxy(
+        prefill_urls,
+        decode_urls,
+        timeouts or ProxyTimeouts(),
+        hand_off_token_ids,
+        first_token_from_prefill,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -406,9 +474,16 @@ def serve(
     timeouts: ProxyTimeouts | None = None,
     log_level: str = "info",
     hand_off_token_ids: bool = True,
+    first_token_from_prefill: bool = True,
 ) -> None:
     """Run the proxy with uvicorn until interrupted."""
     import uvicorn
 
-    app = create_app(prefill_urls, decode_urls, timeouts, hand_off_token_ids=hand_off_token_ids)
+    app = create_app(
+        prefill_urls,
+        decode_urls,
+        timeouts,
+        hand_off_token_ids=hand_off_token_ids,
+        first_token_from_prefill=first_token_from_prefill,
+    )
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -5,6 +5,7 @@ its errors, each naming the backend and what went wrong (``kind``: ``backend_unr
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -128,3 +129,9 @@ def transport_error(
         server=url,
         kind="backend_error",
     )
+
+
+def error_event(err: ProxyError, request_id: str) -> bytes:
+    """An SSE event naming a failure in a stream already under way (its status is sent)."""
+    payload = {"error": {"message": err.message, "type": err.kind, "request_id": request_id}}
+    return f"data: {json.dumps(payload)}\n\n".encode()

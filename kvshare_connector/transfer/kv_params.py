@@ -57,21 +57,38 @@ def prompt_digest(token_ids: Sequence[int]) -> str:
     return h.hexdigest()
 
 
+def loaded_prompt_tokens(params: RemotePrefillParams, prompt_len: int) -> int:
+    """How many of decode's ``prompt_len`` prompt tokens take their KV from prefill: all of
+    them, or prefill's ``remote_prompt_tokens`` when decode's prompt extends prefill's (our
+    proxy streams prefill's first token and asks decode for the rest with that token
+    appended; prefill computed no KV for it, so decode computes that one position). Only
+    with prefill's digest: ``prompt_mismatch`` has then checked that prefix."""
+    n = params.remote_prompt_tokens
+    if n is None or params.remote_prompt_digest is None:
+        return prompt_len
+    return min(prompt_len, n)
+
+
 def prompt_mismatch(params: RemotePrefillParams, token_ids: Sequence[int] | None) -> str | None:
     """Why decode's prompt is not the one prefill computed, or None (also when prefill
-    did not say: a proxy or prefill from elsewhere)."""
+    did not say: a proxy or prefill from elsewhere). A prompt that extends prefill's is
+    prefill's where its KV is concerned (attention is causal): its first
+    ``remote_prompt_tokens`` ids are compared."""
     if params.remote_prompt_digest is None:
         return None
     ids = list(token_ids or ())
-    if params.remote_prompt_tokens is not None and params.remote_prompt_tokens != len(ids):
+    n = params.remote_prompt_tokens
+    if n is not None and len(ids) < n:
         return (
             f"the prompt is not the one prefill computed: prefill had "
-            f"{params.remote_prompt_tokens} prompt tokens, this request has {len(ids)}"
+            f"{n} prompt tokens, this request has {len(ids)}"
         )
-    if prompt_digest(ids) != params.remote_prompt_digest:
+    compared = ids[:n] if n is not None else ids
+    if prompt_digest(compared) != params.remote_prompt_digest:
+        first = f"first {len(compared)} of {len(ids)}" if len(compared) < len(ids) else len(ids)
         return (
-            f"the prompt is not the one prefill computed: digest of the prompt's "
-            f"{len(ids)} token ids differs from prefill's"
+            f"the prompt is not the one prefill computed: digest of the prompt's {first} "
+            f"token ids differs from prefill's"
         )
     return None
 

@@ -26,6 +26,7 @@ from kvshare_connector.layout.topology import BlockIds
 from kvshare_connector.transfer.kv_params import (
     KVTransferParamsError,
     kv_transfer_params,
+    loaded_prompt_tokens,
     prompt_mismatch,
     remote_prefill_params,
 )
@@ -83,7 +84,8 @@ class KVShareScheduler:
                 "kv_transfer_params without remote_prompt_digest (a prefill or proxy from "
                 "elsewhere): decode cannot check that prefill computed the same prompt"
             )
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        prompt_len = len(request.prompt_token_ids or ())
+        count = loaded_prompt_tokens(parsed, prompt_len) - num_computed_tokens
         if count <= 0:
             return 0, False
         self._local_tokens[request.request_id] = num_computed_tokens
@@ -110,11 +112,14 @@ class KVShareScheduler:
         local_tokens = self._local_tokens.pop(request.request_id, 0)
         if num_external_tokens > 0:
             self._loading[request.request_id] = _Loading(request, local_tokens)
+        prompt = list(request.prompt_token_ids)
         order = self.backend.decode_allocated(
             DecodeRequest(
                 request_id=request.request_id,
                 params=parsed,
-                prompt_token_ids=list(request.prompt_token_ids),
+                # The prompt whose KV prefill holds (a prefix of decode's own, see
+                # kv_params.loaded_prompt_tokens): what backends count blocks by.
+                prompt_token_ids=prompt[: loaded_prompt_tokens(parsed, len(prompt))],
                 block_ids=tuple(list(ids) for ids in blocks.get_block_ids()),
                 new_block_ids=tuple(
                     list(ids) for ids in blocks.get_unhashed_block_ids_all_groups()

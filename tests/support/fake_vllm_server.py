@@ -13,9 +13,11 @@ bug shows up as a 400 with a precise message instead of a silently wrong answer:
   pull fails, as a freed KV block would).
 * ``colocated`` is a plain server.
 
-Generation is deterministic and derived from the prompt, so PD output can be compared with the
-colocated baseline: the last ``a <op> b`` in the prompt is answered as ``#### n`` (wrong on
-purpose when ``a + b`` is divisible by 3, so accuracy is neither 0 nor 1).
+Generation is deterministic and derived from the prompt (``fake_model.py``), so PD output can
+be compared with the colocated baseline. Like our prefill, a prefill states the prompt it
+computed (``remote_prompt_tokens``/``remote_prompt_digest``; not with ``kvshare_params=False``,
+as NIXL's), and a decode then takes a prompt of ids that ends with the words prefill
+generated (the proxy's first-token hand-off) and continues after them.
 
 With ``FAKE_CORRUPT_DECODE=1`` in its environment a decode server shifts every number it
 generates (a negative control for the sweep).
@@ -43,13 +45,11 @@ import asyncio
 import hashlib
 import json
 import os
-import re
 import socket
 import sys
 import threading
 import time
 import uuid
-import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +60,35 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from kvshare_connector.common import failpoints
+
+try:  # imported as tests.support.fake_vllm_server, or run as a script from its folder
+    from .fake_model import (
+        TOKEN,
+        digest,
+        fake_answer,
+        fake_text,
+        fake_token_ids,
+        fake_tokens,
+        prompt_of,
+        split_prompt,
+        token_logprob,
+        word_id,
+    )
+except ImportError:
+    from fake_model import (  # type: ignore[no-redef]
+        TOKEN,
+        digest,
+        fake_answer,
+        fake_text,
+        fake_token_ids,
+        fake_tokens,
+        prompt_of,
+        split_prompt,
+        token_logprob,
+        word_id,
+    )
+
+__all__ = ["ThreadServer", "fake_answer", "fake_server", "fake_text", "fake_token_ids"]
 
 KV_KEYS = frozenset(
     {
@@ -74,6 +103,9 @@ KV_KEYS = frozenset(
         "remote_num_tokens",
     }
 )
+#: What our prefill adds (the prompt it computed): a decode may then send a prompt that
+#: extends it by prefill's first token (the proxy's first-token hand-off).
+KVSHARE_KEYS = frozenset({"remote_prompt_tokens", "remote_prompt_digest"})
 FAIL_MODES = ("none", "garbage", "no_kv", "bad_kv", "error400", "error500", "slow", "hang_stream")
 ROLE_TO_KV_ROLES = {
     "prefill": {"kv_producer", "kv_both"},
@@ -90,78 +122,6 @@ ENV_REPORTED = (
     "FAKE_MARKER",
     "FAKE_CORRUPT_DECODE",
 )
-_ARITH = re.compile(r"(-?\d+)\s*([+*-])\s*(-?\d+)")
-_TOKEN = re.compile(r"\s*\S+|\s+")
-
-
-def fake_answer(a: int, op: str, b: int) -> int:
-    """The fake model's answer: right unless ``a + b`` is divisible by 3."""
-    value = {"+": a + b, "-": a - b, "*": a * b}[op]
-    return value + 1 if (a + b) % 3 == 0 else value
-
-
-def fake_text(prompt: str) -> str:
-    """Deterministic "generation" for a prompt (before stop strings and max_tokens)."""
-    found = _ARITH.findall(prompt)
-    if found:
-        a, op, b = found[-1]
-        n = fake_answer(int(a), op, int(b))
-        return f" The answer is {n}. #### {n}\n\nQuestion: what next?"
-    h = zlib.crc32(prompt.encode())
-    return " " + " ".join(f"w{(h >> s) & 0xFF}" for s in range(0, 24, 3)) + "\n\nQuestion:"
-
-
-def fake_tokens(
-    prompt: str, max_tokens: int | None, stop: list[str], corrupt: bool = False
-) -> tuple[list[str], str]:
-    """Tokens (whitespace-led words) and finish reason, honouring stop strings and max_tokens.
-
-    ``corrupt`` imitates a decode that attended to the wrong KV: every number shifts by 2.
-    """
-    text = fake_text(prompt)
-    if corrupt:
-        text = re.sub(r"-?\d+", lambda m: str(int(m.group()) + 2), text)
-    finish = "length"
-    cut = [text.find(s) for s in stop if s and s in text]
-    if cut:
-        text, finish = text[: min(cut)], "stop"
-    tokens = _TOKEN.findall(text)
-    if max_tokens is not None and len(tokens) > max_tokens:
-        tokens, finish = tokens[:max_tokens], "length"
-    elif not cut:
-        finish = "stop"
-    return tokens, finish
-
-
-def token_logprob(token: str) -> float:
-    return -((zlib.crc32(token.encode()) % 1000) / 1000.0)
-
-
-def prompt_of(body: dict[str, Any], chat: bool) -> str:
-    """The prompt's text; a token-id prompt is read back with ``fake_token_ids``'
-    vocabulary (one id per character), so ids a prefill answered give its text again."""
-    if chat:
-        return "\n".join(str(m.get("content", "")) for m in body.get("messages", []))
-    prompt = body.get("prompt", "")
-    if isinstance(prompt, list):
-        if len(prompt) == 1:
-            prompt = prompt[0]
-        if isinstance(prompt, list):
-            return "".join(chr(int(t)) for t in prompt)
-    return str(prompt)
-
-
-def fake_token_ids(text: str) -> list[int]:
-    """The fake tokenizer: one id per character (what ``return_token_ids`` answers)."""
-    return [ord(c) for c in text]
-
-
-def digest(body: dict[str, Any], chat: bool) -> str:
-    """Of the prompt as the engine sees it: text and its token ids digest alike."""
-    payload = body.get("messages") if chat else prompt_of(body, chat)
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
-
-
 class PDViolation(Exception):
     """The request breaks the PD protocol; answered as a 400 naming the problem."""
 
@@ -190,6 +150,8 @@ class FakeState:
     launch: dict[str, Any] = field(default_factory=dict)
     issued_at: dict[str, float] = field(default_factory=dict)
     failpoints: list[str] = field(default_factory=list)  # armed points of this role
+    kvshare_params: bool = True  # a prefill states its prompt, as ours does (not NIXL's)
+    gate: threading.Event | None = None  # set: requests are answered (until then they wait)
 
     def held(self) -> int:
         """KV records still held (those past ``FAKE_KV_LEASE`` seconds freed first)."""
@@ -237,8 +199,10 @@ async def _check_decode(
     kv = body.get("kv_transfer_params")
     if not isinstance(kv, dict):
         raise PDViolation("decode expects kv_transfer_params from the prefill server")
-    if set(kv) != KV_KEYS:
+    if set(kv) not in (KV_KEYS, KV_KEYS | KVSHARE_KEYS):
         raise PDViolation(f"decode kv_transfer_params keys {sorted(kv)} != {sorted(KV_KEYS)}")
+    if split_prompt(body, chat)[1] and not set(kv) >= KVSHARE_KEYS:
+        raise PDViolation("a prompt that extends prefill's, for a prefill that did not state it")
     if kv["do_remote_prefill"] is not True or kv["do_remote_decode"] is not False:
         raise PDViolation(f"decode got wrong do_remote_* flags: {kv}")
     if request_id != kv["remote_request_id"]:
@@ -265,13 +229,17 @@ async def _check_decode(
 def _completion_json(
     state: FakeState, body: dict[str, Any], chat: bool, kv_out: dict[str, Any] | None
 ) -> dict[str, Any]:
-    prompt = prompt_of(body, chat)
+    prompt, generated = split_prompt(body, chat)
     max_tokens = body.get("max_completion_tokens") if chat else None
     max_tokens = max_tokens or body.get("max_tokens")
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else list(stop)
     corrupt = state.role == "decode" and os.environ.get("FAKE_CORRUPT_DECODE") == "1"
-    tokens, finish = fake_tokens(prompt, max_tokens, stop, corrupt)
+    wanted = max_tokens + len(generated) if max_tokens is not None else None
+    tokens, finish = fake_tokens(prompt, wanted, stop, corrupt)
+    if [word_id(t) for t in tokens[: len(generated)]] != generated:  # a model continues
+        raise PDViolation(f"the prompt ends with {generated}: not what the model generates")
+    tokens = tokens[len(generated) :]
     text = "".join(tokens)
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "stop_reason": None}
     if chat:
@@ -281,7 +249,7 @@ def _completion_json(
         choice["text"] = text
         if body.get("return_token_ids"):  # as vLLM: the prompt's ids and the generated ones
             choice["prompt_token_ids"] = fake_token_ids(prompt)
-            choice["token_ids"] = [zlib.crc32(t.encode()) % 4096 for t in tokens]
+            choice["token_ids"] = [word_id(t) for t in tokens]
         choice["logprobs"] = (
             {
                 "tokens": tokens,
@@ -298,17 +266,23 @@ def _completion_json(
         "created": int(time.time()),
         "model": state.model,
         "choices": [choice],
-        "usage": {"prompt_tokens": len(_TOKEN.findall(prompt)), "completion_tokens": len(tokens)},
+        "usage": {
+            "prompt_tokens": len(TOKEN.findall(prompt)) + len(generated),
+            "completion_tokens": len(tokens),
+            "total_tokens": len(TOKEN.findall(prompt)) + len(generated) + len(tokens),
+        },
         "kv_transfer_params": kv_out,
     }
 
 
-async def _sse(state: FakeState, full: dict[str, Any], chat: bool):
+async def _sse(
+    state: FakeState, full: dict[str, Any], chat: bool, stream_options: dict[str, Any] | None
+):
     """Stream a finished completion as SSE chunks, one token each."""
     choice = full["choices"][0]
     text = choice["message"]["content"] if chat else choice["text"]
     obj = "chat.completion.chunk" if chat else "text_completion"
-    for i, tok in enumerate(_TOKEN.findall(text)):
+    for i, tok in enumerate(TOKEN.findall(text)):
         if state.fail_mode == "hang_stream" and i == 1:
             await asyncio.sleep(3600)
         if chat:
@@ -321,6 +295,9 @@ async def _sse(state: FakeState, full: dict[str, Any], chat: bool):
     last: dict[str, Any] = {"index": 0, "finish_reason": choice["finish_reason"]}
     last.update({"delta": {}} if chat else {"text": ""})
     yield f"data: {json.dumps({'id': full['id'], 'object': obj, 'choices': [last]})}\n\n".encode()
+    if (stream_options or {}).get("include_usage"):  # as vLLM: a last chunk of usage
+        usage = {"id": full["id"], "object": obj, "choices": [], "usage": full["usage"]}
+        yield f"data: {json.dumps(usage)}\n\n".encode()
     yield b"data: [DONE]\n\n"
 
 
@@ -379,6 +356,8 @@ def create_fake_app(state: FakeState) -> FastAPI:
     async def handle(request: Request, chat: bool) -> Response:
         path = "chat" if chat else "completions"
         state.hits[path] += 1
+        while state.gate is not None and not state.gate.is_set():
+            await asyncio.sleep(0.01)
         if state.delay or state.fail_mode == "slow":
             await asyncio.sleep(state.delay or 30.0)
         if state.fail_mode == "garbage":
@@ -418,8 +397,12 @@ def create_fake_app(state: FakeState) -> FastAPI:
                     "remote_host": "127.0.0.1",
                     "remote_port": state.port,
                     "tp_size": 1,
-                    "remote_num_tokens": len(_TOKEN.findall(prompt_of(body, chat))),
+                    "remote_num_tokens": len(TOKEN.findall(prompt_of(body, chat))),
                 }
+                if state.kvshare_params:  # ours: the prompt it computed
+                    ids = fake_token_ids(prompt_of(body, chat))
+                    kv_out["remote_prompt_tokens"] = len(ids)
+                    kv_out["remote_prompt_digest"] = hashlib.sha256(str(ids).encode()).hexdigest()
                 state.issued[rid] = {"kv_transfer_params": kv_out, "digest": digest(body, chat)}
                 state.issued_at[rid] = time.monotonic()
             elif state.role == "decode" and not (
@@ -444,7 +427,10 @@ def create_fake_app(state: FakeState) -> FastAPI:
         elif state.fail_mode == "bad_kv" and kv_out:
             full["kv_transfer_params"] = {k: v for k, v in kv_out.items() if k != "tp_size"}
         if body.get("stream"):
-            return StreamingResponse(_sse(state, full, chat), media_type="text/event-stream")
+            return StreamingResponse(
+                _sse(state, full, chat, body.get("stream_options")),
+                media_type="text/event-stream",
+            )
         return JSONResponse(full)
 
     @app.post("/v1/completions")

@@ -188,6 +188,12 @@ def plan(args: argparse.Namespace, model_dir: Path, tokenizer: Path, raw: Path) 
     unknown = [i for i in args.variant_env or [] if i.partition(":")[0] not in known]
     if unknown:
         raise SystemExit(f"--variant-env {unknown}: no such deployment (have {sorted(known)})")
+    from_decode = getattr(args, "first_token_from_decode", None) or []
+    unknown = [n for n in from_decode if n not in known]
+    if unknown:
+        raise SystemExit(
+            f"--first-token-from-decode {unknown}: no such deployment (have {sorted(known)})"
+        )
     server_cmd = args.server_cmd or os.environ.get("KVSHARE_SERVER_CMD") or SERVER_CMD
     planned = []
     for i, (name, kind, extra_cfg) in enumerate(named):
@@ -208,6 +214,7 @@ def plan(args: argparse.Namespace, model_dir: Path, tokenizer: Path, raw: Path) 
             proxy_timeouts=ProxyTimeouts(read=args.bench_timeout),
             router=args.router if kind != "colocated" else "kvshare",
             router_policy=args.router_policy, router_metrics_port=base + PORT_STRIDE - 1,
+            first_token="decode" if {name, kind} & set(from_decode) else "prefill",
         )  # fmt: skip
         read_logs = (
             [f"reads/{name}-decode{k}.jsonl" for k in range(args.num_decode)]

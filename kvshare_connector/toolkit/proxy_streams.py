@@ -1,0 +1,71 @@
+"""Decode's SSE stream through the proxy: opened so that a refusal keeps its status, then
+relayed as it comes, or event by event where the proxy edits a line (first_token.py)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+
+from kvshare_connector.toolkit.proxy_backends import (
+    ProxyTimeouts,
+    check_status,
+    error_event,
+    transport_error,
+)
+
+logger = logging.getLogger("kvshare_connector.toolkit.proxy")
+
+
+async def open_stream(
+    client: httpx.AsyncClient,
+    url: str,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    timeouts: ProxyTimeouts,
+) -> httpx.Response:
+    """Open a decode stream; a refusal raises ``ProxyError`` with decode's status."""
+    try:
+        resp = await client.send(
+            client.build_request("POST", url + path, json=body, headers=headers), stream=True
+        )
+    except httpx.HTTPError as exc:
+        raise transport_error(exc, "decode", url, timeouts) from exc
+    if resp.status_code >= 400:
+        await resp.aread()
+        await resp.aclose()
+        check_status(resp, "decode", url)
+    return resp
+
+
+async def relay(
+    resp: httpx.Response,
+    url: str,
+    request_id: str,
+    timeouts: ProxyTimeouts,
+    edit: Callable[[str], str] | None = None,
+) -> AsyncIterator[bytes]:
+    """Decode's stream as it comes (decoded: content-encoding is not relayed), or event by
+    event with each line through ``edit``; a break ends it with an error event."""
+    try:
+        if edit is None:
+            async for chunk in resp.aiter_bytes():
+                yield chunk
+        else:
+            event: list[str] = []
+            async for line in resp.aiter_lines():
+                event.append(edit(line) + "\n")
+                if not line:  # an event ends with a blank line
+                    yield "".join(event).encode()
+                    event.clear()
+            if event:
+                yield "".join(event).encode()
+    except httpx.HTTPError as exc:
+        err = transport_error(exc, "decode", url, timeouts)
+        logger.error("req=%s stream broken: %s", request_id, err.message)
+        yield error_event(err, request_id)
+    finally:
+        await resp.aclose()
