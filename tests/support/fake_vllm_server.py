@@ -52,6 +52,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -61,32 +62,20 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from kvshare_connector.common import failpoints
 
-try:  # imported as tests.support.fake_vllm_server, or run as a script from its folder
-    from .fake_model import (
-        TOKEN,
-        digest,
-        fake_answer,
-        fake_text,
-        fake_token_ids,
-        fake_tokens,
-        prompt_of,
-        split_prompt,
-        token_logprob,
-        word_id,
-    )
-except ImportError:
-    from fake_model import (  # type: ignore[no-redef]
-        TOKEN,
-        digest,
-        fake_answer,
-        fake_text,
-        fake_token_ids,
-        fake_tokens,
-        prompt_of,
-        split_prompt,
-        token_logprob,
-        word_id,
-    )
+if not __package__:  # run as a script: the project's root, not this folder, is the base
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.support.fake_model import (
+    TOKEN,
+    digest,
+    fake_answer,
+    fake_text,
+    fake_token_ids,
+    fake_tokens,
+    prompt_of,
+    split_prompt,
+    token_logprob,
+    word_id,
+)
 
 __all__ = ["ThreadServer", "fake_answer", "fake_server", "fake_text", "fake_token_ids"]
 
