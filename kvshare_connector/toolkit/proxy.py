@@ -210,11 +210,11 @@ class PDProxy:
         decode_body: dict[str, Any],
         opening: list[bytes],
         headers: dict[str, str],
-        request_id: str,
         decode_url: str,
     ) -> Response:
         """The client's stream opens with prefill's token at once; the decode leg is sent
         behind it, and a decode that fails is an error event (the stream is under way)."""
+        request_id = headers[REQUEST_ID_HEADER]
 
         def open_leg(url: str) -> Awaitable[httpx.Response]:
             return open_stream(self._client(), url, path, decode_body, headers, self.timeouts)
@@ -292,15 +292,9 @@ class PDProxy:
                 "prompt as %d token ids",
                 request_id, path, prefill_url, decode_url, (t1 - t0) * 1e3, len(token_ids),
             )  # fmt: skip
-            return self.stream_after_first(
-                first,
-                path,
-                decode_body_after(body, kv, token_ids, first),
-                opening_events(first, body, len(token_ids)),
-                headers,
-                request_id,
-                decode_url,
-            )
+            leg = decode_body_after(body, kv, token_ids, first)
+            opening = opening_events(first, body, len(token_ids))
+            return self.stream_after_first(first, path, leg, opening, headers, decode_url)
         decode_body = make_decode_body(body, kv, token_ids)
 
         def decode_leg(url: str) -> Awaitable[Response]:
@@ -390,13 +384,9 @@ def create_app(
     first_token_from_prefill: bool = True,
 ) -> FastAPI:
     """Build the proxy app. The httpx client lives in the app's lifespan (its event loop)."""
-    proxy = PDProxy(
-        prefill_urls,
-        decode_urls,
-        timeouts or ProxyTimeouts(),
-        hand_off_token_ids,
-        first_token_from_prefill,
-    )
+    timeouts = timeouts or ProxyTimeouts()
+    proxy = PDProxy(prefill_urls, decode_urls, timeouts, hand_off_token_ids,
+                    first_token_from_prefill)  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
