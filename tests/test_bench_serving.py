@@ -232,7 +232,14 @@ def test_bench_command_and_seeds(tmp_path: Path, model_dir: Path) -> None:
     assert _arg(argv, "--result-filename") == "ours_r1_in2048_c16.json"
     assert "--save-result" in argv and "--ignore-eos" in argv
     assert _arg(argv, "--ready-check-timeout-sec") == "0"  # the checked warmup did that
-    assert "--save-detailed" not in argv
+    assert "--save-detailed" not in argv and "--extra-body" not in argv
+    # Random-init weights sample ids the local tokenizer has no text for: keep them below it.
+    args.sample_ids_below = 4096
+    argv = bs.bench_options(
+        args, planned[0].endpoint, "ours", tmp_path / "tok", runs["ours"][1], tmp_path / "raw"
+    )
+    allowed = json.loads(_arg(argv, "--extra-body"))["allowed_token_ids"]
+    assert allowed == list(range(6, 4096))  # past <pad> <eos> <bos> <unk> and the turn marks
 
 
 def test_mode_defaults_and_router_plan(tmp_path: Path, model_dir: Path) -> None:

@@ -193,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--served-model-name", default="kvshare-bench")
     add("--deployments", nargs="+", choices=KINDS, default=list(KINDS))
     add("--ours-variants", nargs="+", metavar="NAME=JSON", help='e.g. direct={"staging_mib":0}')
+    add("--sample-ids-below", type=int, default=0, metavar="N",
+        help="every bench request samples only token ids below N (allowed_token_ids, past "
+        "the local tokenizer's special ids): random-init weights otherwise sample ids the "
+        "tokenizer cannot turn into text, and such a first token stays on decode")  # fmt: skip
     add("--first-token-from-decode", nargs="+", default=[], metavar="NAME",
         help="deployments whose proxy has decode sample the first token again (vLLM's toy "
         "proxy's way; default: our proxy streams prefill's, toolkit/first_token.py)")  # fmt: skip

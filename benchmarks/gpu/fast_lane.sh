@@ -38,7 +38,10 @@
 #            with FT_MODE=sync (eager, every engine --no-async-scheduling) or graphs (CUDA
 #            graphs and torch.compile, async scheduling as vLLM's default): whether PD's
 #            two-step first token on the curve (decode's one-token step as slow as colocated's
-#            whole prefill) is an eager engine under async scheduling (issue 21)
+#            whole prefill) is an eager engine under async scheduling (issue 21);
+#            FT_MODE=handoff: the first token from prefill (ours-ftp, the proxy's default)
+#            beside the classic legs (ours-ftd), NixlConnector and colocated, at 1k and 4k x
+#            concurrency 1 and 16, eager, sampling only ids the tokenizer has text for
 #   faults   the fault matrix (issue 25): FAULT_CASES (default c d e f: prefill hung,
 #            prefill dies before a release, a side-channel flood, the decode that never
 #            comes) in FAULT_VARIANTS (default 1p1d; also 1p2d 2p1d router router-1p2d noverify);
@@ -151,15 +154,21 @@ for step in "$@"; do
     firsttoken)
       weights
       mode=${FT_MODE:-sync}
+      conc=(1); prompts=4
       case $mode in
         sync) extra=(--enforce-eager); sargs="--max-num-seqs 64 --no-async-scheduling" ;;
         graphs) extra=(); sargs="--max-num-seqs 64" ;;
-        *) echo "FT_MODE: sync or graphs, not $mode" >&2; exit 2 ;;
+        handoff) extra=(--enforce-eager --sample-ids-below 4096 --ours-variants ftp={} ftd={}
+                        --first-token-from-decode ours-ftd)
+                 sargs="--max-num-seqs 64"; conc=(1 16); prompts=0 ;;
+        *) echo "FT_MODE: sync, graphs or handoff, not $mode" >&2; exit 2 ;;
       esac
       python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/firsttoken-$mode" \
         --deployments ours nixl colocated --prefill-gpu 0 --decode-gpu 0 --colocated-gpu 0 \
-        --gpu-mem 0.13 --kv-cache-gib 4 "${extra[@]}" --input-len 1024 4096 --concurrency 1 \
-        --num-prompts 4 --output-len 32 --rounds 3 --warmup-requests 4 --serve-args "$sargs" \
+        --gpu-mem 0.13 --kv-cache-gib 4 "${extra[@]}" --input-len 1024 4096 \
+        --concurrency "${conc[@]}" \
+        --num-prompts "$prompts" --prompts-per-slot 2 --output-len 32 --rounds 3 \
+        --warmup-requests 4 --serve-args "$sargs" \
         --time-budget "${TIME_BUDGET:-520}" --grace 10 --keep-raw > "$OUT/firsttoken-$mode.log" 2>&1
       rc=$?; echo "firsttoken $mode: exit $rc"; pack "firsttoken-$mode"
       ;;

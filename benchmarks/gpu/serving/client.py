@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvshare_connector.toolkit.tokenizer import SPECIAL_TOKENS
+
 WORKER = Path(__file__).resolve().parent / "bench_worker.py"
 IMPORT_GRACE_S = 180.0  # the worker's first import of vLLM, on top of a run's own timeout
 
@@ -41,6 +43,10 @@ def bench_options(
     ]  # fmt: skip
     if run.get("detailed") or getattr(args, "save_detailed", False):
         argv.append("--save-detailed")
+    below = getattr(args, "sample_ids_below", 0)
+    if below:
+        allowed = list(range(len(SPECIAL_TOKENS), below))  # ids with text in the local BPE
+        argv += ["--extra-body", json.dumps({"allowed_token_ids": allowed})]
     return argv
 
 
