@@ -360,6 +360,14 @@ def write_raw(out: Path, lengths: tuple[int, ...] = (64,)) -> None:
     snaps.append({"deployment": "nixl", "tag": "end", "engines": {"nixl-decode0": {"up": False}}})
     (raw / "engine_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in snaps))
     (raw / "reads" / "ours.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reads) + "{cut")
+    # Our proxy's lines (first token from prefill, or the classic legs), as it logs them.
+    line = "2026-12-05 10:00:00,000 INFO kvshare_connector.toolkit.proxy: req=r{} /v1/completions"
+    handed = line + " prefill=p decode=d: prefill 9.0 ms, first token from prefill; prompt as 3"
+    classic = line + " prefill=p decode=d stream=True: prefill 9.0 ms, decode stream opened 2.0 ms"
+    for name, lines in (("ours", [handed] * 3 + [classic]), ("nixl", [classic] * 2)):
+        (raw / "logs" / name).mkdir(parents=True)
+        text = "\n".join(x.format(i) for i, x in enumerate(lines))
+        (raw / "logs" / name / "proxy.log").write_text(text + "\nINFO: Started server\n")
 
 
 def test_report_from_tarball(tmp_path: Path) -> None:
@@ -395,6 +403,9 @@ def test_report_from_tarball(tmp_path: Path) -> None:
     assert [cell[1][k] for k in ("median", "min", "max")] == pytest.approx([75.0, 50.0, 100.0])
     assert "- ours: ours-decode0 ttft 75.0 (50.0-100.0)" in text
     assert "- ours: 44 loads verified, 4 refused" in text
+    assert summary["first_tokens"] == {"ours": {"from_prefill": 3, "requests": 4},
+                                       "nixl": {"from_prefill": 0, "requests": 2}}  # fmt: skip
+    assert "First token from prefill (our proxy's log, warmup included): nixl 0/2, ours 3/4" in text
 
 
 def test_report_scaling_plot_and_failed_run(tmp_path: Path) -> None:

@@ -136,7 +136,22 @@ def collect(files: dict[str, bytes]) -> dict[str, Any]:
         runs.append(rec)
     return {"meta": meta, "deployments": deployments, "runs": runs, "skipped": skipped,
             "checks": _checks(files), "engines": engine_requests(files),
-            "verify_kv": verify_counts(files)}  # fmt: skip
+            "verify_kv": verify_counts(files),
+            "first_tokens": first_token_counts(files)}  # fmt: skip
+
+
+def first_token_counts(files: dict[str, bytes]) -> dict[str, dict[str, int]]:
+    """Per deployment behind our proxy (``logs/NAME/proxy.log``, loaded with the logs): the
+    requests whose first token came from prefill, of all the PD requests it logged."""
+    out = {}
+    for name, data in files.items():
+        parts = name.split("/")
+        if len(parts) == 3 and parts[0] == "logs" and parts[2] == "proxy.log":
+            text = data.decode(errors="replace")
+            handed = text.count(", first token from prefill;")
+            classic = text.count(", decode stream opened ") + text.count(", decode done ")
+            out[parts[1]] = {"from_prefill": handed, "requests": handed + classic}
+    return out
 
 
 def _checks(files: dict[str, bytes]) -> dict[str, Any]:
@@ -213,6 +228,7 @@ def aggregate(collected: dict[str, Any]) -> dict[str, Any]:
         "checks": collected.get("checks", {}),
         "engines": collected.get("engines", {}),
         "verify_kv": collected.get("verify_kv", {}),
+        "first_tokens": collected.get("first_tokens", {}),
         "routers": {n: d.get("router") for n, d in collected["deployments"].items()},
     }
 
@@ -324,6 +340,11 @@ def _checks_md(summary: dict[str, Any]) -> list[str]:
         for dep, counts in sorted(engines.items()):
             lines.append(f"- {dep}: " + ", ".join(f"{e} {v:.0f}" for e, v in counts.items()))
         lines.append("")
+    firsts = summary.get("first_tokens") or {}
+    if any(c["requests"] for c in firsts.values()):
+        lines += ["First token from prefill (our proxy's log, warmup included): " + ", ".join(
+            f"{dep} {c['from_prefill']}/{c['requests']}" for dep, c in sorted(firsts.items())
+        ), ""]  # fmt: skip
     verify = summary.get("verify_kv") or {}
     if verify:
         lines += [
@@ -426,7 +447,7 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
 
 def write_report(out: Path) -> dict[str, Any]:
     """summary.md, results.json (aggregate plus every run) and scaling.png under ``out``."""
-    collected = collect(load_raw(out))
+    collected = collect(load_raw(out, logs=True))  # the proxies' logs: first_token_counts
     summary = aggregate(collected)
     (out / "summary.md").write_text(markdown(summary))
     (out / "results.json").write_text(
