@@ -182,6 +182,19 @@ def test_fault_timeline_and_verdicts() -> None:
     assert v["no_wrong_kv"]["verified_loads"] == 7.0
     m = summary["measured"]
     assert (m["completed"], m["failed"], m["local_loads"]) == (50, 10, 2)
+    assert m["cut_short"] == 0  # no output lengths in this result: nothing to judge by
+
+    # A stream that ended short (a decode lost after prefill's first token reached the
+    # client) is a success to vLLM's bench; with the load's output length it is a failure.
+    short = {**result, "output_lens": [32] * 60}
+    short["output_lens"][30] = 1
+    reqs = fault_report.bench_requests(short, t0 + 61.0, 32)
+    assert [k for k, r in enumerate(reqs) if not r["ok"]] == [*range(10, 20), 30]
+    assert reqs[30]["error"] == "stream ended after 1 of 32 tokens"
+    cut = fault_report.summarize(data, short, t0 + 61.0, 30.0, 32)["measured"]
+    assert (cut["completed"], cut["failed"], cut["cut_short"]) == (49, 11, 1)
+    assert "stream ended after 1 of 32 tokens" in cut["errors"]
+    assert fault_report.bench_requests(short, t0 + 61.0)[30]["ok"]  # without the length
     assert m["errors"] == ["HTTP 503"] and m["probe_errors"] == ["HTTP 503"]
     # Restarted at +13 s; the first good request through the front (a bench request sent
     # at +21 s, 1.2 s long) ended 12.2 s after the fault, before the health probe saw the

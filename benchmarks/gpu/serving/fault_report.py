@@ -18,16 +18,25 @@ VERDICTS = ("survivor_kept_serving", "no_hang", "victim_rejoined", "kv_usage_zer
             "connector_series_live", "no_wrong_kv")  # fmt: skip
 
 
-def bench_requests(result: dict[str, Any], end_wall: float) -> list[dict[str, Any]]:
+def bench_requests(
+    result: dict[str, Any], end_wall: float, expected_tokens: int | None = None
+) -> list[dict[str, Any]]:
     """Per request of a ``--save-detailed`` result: approximate wall start (vLLM records
     perf_counter starts; the run's first request is placed at its end minus its duration,
-    within about a second), success, error."""
+    within about a second), success, error. With ``expected_tokens`` (the load ignores
+    EOS: every whole answer has that many), a stream that ended short is a failure, which
+    vLLM's bench counts as a success once a first token came (a stream broken after it,
+    and since the first token comes from prefill, a decode lost before its first token)."""
     starts = result.get("start_times") or []
-    errors = result.get("errors") or [""] * len(starts)
+    errors = list(result.get("errors") or [""] * len(starts))
     ttfts = result.get("ttfts") or [None] * len(starts)
     itls = result.get("itls") or [[]] * len(starts)
+    lens = result.get("output_lens") or [None] * len(starts)
     if not starts:
         return []
+    for k, (err, n) in enumerate(zip(errors, lens, strict=False)):
+        if not err and expected_tokens and n is not None and n < expected_tokens:
+            errors[k] = f"stream ended after {n} of {expected_tokens} tokens"
     first = min(starts)
     origin = end_wall - float(result.get("duration") or 0.0)
     return [
@@ -194,8 +203,12 @@ def measured(data: dict[str, Any], result: dict[str, Any] | None,
     kv_errors = [r for r in data["probes"] + (data.get("after_records") or [])
                  if r.get("kv_load_error")]  # fmt: skip
     r = result or {}
+    short = sum(1 for q in requests if q["error"].startswith("stream ended after"))
+    whole = r.get("completed") - short if r.get("completed") is not None else None
+    failed = r.get("failed") + short if r.get("failed") is not None else None
     return {
-        "completed": r.get("completed"), "failed": r.get("failed"),
+        # whole answers; a stream that ended short counts as failed (bench_requests)
+        "completed": whole, "failed": failed, "cut_short": short,
         # decode's throughput over the load (the fault matrix sets it against the fault-free
         # run of the same deployment)
         "output_throughput": r.get("output_throughput"),
@@ -211,11 +224,16 @@ def measured(data: dict[str, Any], result: dict[str, Any] | None,
     }  # fmt: skip
 
 
-def summarize(data: dict[str, Any], result: dict[str, Any] | None, end_wall: float,
-              probe_timeout: float) -> dict[str, Any]:  # fmt: skip
+def summarize(
+    data: dict[str, Any],
+    result: dict[str, Any] | None,
+    end_wall: float,
+    probe_timeout: float,
+    expected_tokens: int | None = None,
+) -> dict[str, Any]:
     """Verdicts, numbers, binned timeline and events from the raw fault data (and the
-    bench JSON)."""
-    requests = bench_requests(result or {}, end_wall)
+    bench JSON; ``expected_tokens``: the load's output length)."""
+    requests = bench_requests(result or {}, end_wall, expected_tokens)
     fault = at(data["events"], "fault") or (data["events"] or [{"time": 0}])[0]["time"]
     probes = [{"time": p["time"], "ok": good_request(p)} for p in data["probes"]]
     direct = [{"time": p["time"], "ok": p["status"] == 200}

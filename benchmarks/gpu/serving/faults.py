@@ -435,9 +435,9 @@ def run_faults(runner: Runner, out: Path) -> int:
         return 1
     result_path = raw / data["bench_file"]
     result = json.loads(result_path.read_text()) if result_path.exists() else None
-    end_wall = next((r["end"] for r in _manifest(raw) if r["file"] == data["bench_file"]),
-                    time.time())  # fmt: skip
-    summary = summarize(data, result, end_wall, a.probe_timeout)
+    entry = next((r for r in _manifest(raw) if r["file"] == data["bench_file"]), {})
+    end_wall = entry.get("end", time.time())
+    summary = summarize(data, result, end_wall, a.probe_timeout, entry.get("output_len"))
     summary["setup"] = {"deployment": fault.p.name, "front": fault.p.router,
                         "victim": a.fault_victim, "action": a.fault_action,
                         "point": a.fault_point, "kill_after_s": a.kill_after,
