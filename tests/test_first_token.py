@@ -1,11 +1,13 @@
-"""The first-token hand-off's pieces (toolkit/first_token.py); the proxy flow end to end is in
-test_proxy.py, decode's side (a prompt extending prefill's) in test_connector.py."""
+"""The first-token hand-off (toolkit/first_token.py): its pieces, then the proxy's flow against
+fake servers; decode's side (a prompt extending prefill's) is in test_connector.py."""
 
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
+import httpx
 import pytest
 
 from kvshare_connector.toolkit.first_token import (
@@ -15,6 +17,12 @@ from kvshare_connector.toolkit.first_token import (
     ineligible,
     opening_events,
 )
+from kvshare_connector.toolkit.procs import pick_free_port
+from kvshare_connector.toolkit.proxy import create_app
+
+from .support.fake_model import word_id
+from .support.fake_vllm_server import ThreadServer, fake_server, fake_token_ids
+from .support.pd_stack import FAST, QUESTION, pd_stack, sse_events
 
 #: What `vllm bench serve` sends (openai completions backend), with a temperature.
 BENCH = {
@@ -132,3 +140,122 @@ def test_decodes_leg_appends_the_token_and_wants_one_fewer() -> None:
     assert body == BENCH  # the client's body is left as it came
     unbounded = decode_body_after({**BENCH, "max_tokens": None}, kv, [5], first)
     assert unbounded["max_tokens"] is None
+
+
+# ---- through the proxy, against fake servers -----------------------------------------
+
+
+def _stream(url: str, body: dict[str, Any]) -> list[Any]:
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10) as resp:
+        assert resp.status_code == 200, resp.read()
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        return sse_events(resp.read().decode())
+
+
+@pytest.mark.parametrize("first_token", ["prefill", "decode"])
+def test_completion_streaming_matches_colocated(first_token: str) -> None:
+    """The client's stream is colocated's: the same text token by token and the same usage.
+    With the first token from prefill, decode's prompt is prefill's ids and that token, one
+    token fewer to generate; from decode (the control), the ids and the client's count."""
+    ftp = first_token == "prefill"
+    body = {
+        "prompt": QUESTION,
+        "max_tokens": 20,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+    }
+    with (
+        pd_stack(first_token_from_prefill=ftp) as (url, prefills, decodes),
+        fake_server("colocated") as colo,
+    ):
+        pd = _stream(url, body)
+        base = _stream(colo.url, body)
+    text = [c["choices"][0]["text"] for c in pd if c["choices"]]
+    assert len(text) > 3  # token by token, not one blob
+    assert text == [c["choices"][0]["text"] for c in base if c["choices"]]
+    assert pd[-1]["usage"] == base[-1]["usage"]  # the first token counted as output
+    assert prefills[0].state.requests[0]["body"]["stream"] is False
+    (dec,) = [r["body"] for r in decodes[0].state.requests]
+    if ftp:
+        assert pd[0]["choices"][0]["text"] == text[0] == " The"
+        assert dec["prompt"] == [*fake_token_ids(QUESTION), word_id(" The")]
+        assert dec["max_tokens"] == 19
+    else:
+        assert dec["prompt"] == fake_token_ids(QUESTION) and dec["max_tokens"] == 20
+
+
+def test_the_first_token_reaches_the_client_before_decode_answers() -> None:
+    """Decode answers nothing until the test lets it: the client has prefill's token by
+    then (the control, the first token from decode, has nothing to read: its read times
+    out)."""
+    body = {"prompt": QUESTION, "max_tokens": 5, "stream": True}
+    for ftp in (True, False):
+        gate = threading.Event()
+        with pd_stack(first_token_from_prefill=ftp) as (url, _, decodes):
+            decodes[0].state.gate = gate
+            try:
+                with httpx.stream(
+                    "POST", url + "/v1/completions", json=body, timeout=2.0
+                ) as resp:
+                    lines = resp.iter_lines()
+                    first = next(line for line in lines if line.startswith("data: "))
+                    assert ftp, "the client had a token before decode answered"
+                    assert json.loads(first[6:])["choices"][0]["text"] == " The"
+                    assert decodes[0].state.hits["completions"] <= 1  # asked, not answered
+                    gate.set()
+                    rest = [line for line in lines if line.startswith("data: ")]
+            except httpx.ReadTimeout:
+                assert not ftp, "the first token from prefill waited for decode"
+                gate.set()
+                continue
+        texts = [json.loads(x[6:])["choices"][0]["text"] for x in rest[:-1]]
+        assert "".join([" The", *texts]) == " The answer is 10. ####"
+        assert rest[-1] == "data: [DONE]"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"stream": False},
+        {"seed": 7},
+        {"stop": ["Question:"]},
+        {"logprobs": 1},
+        {"max_tokens": 1},
+        {"frequency_penalty": 0.5},
+        {"prompt": [5, 6, 7]},
+        {"response_format": {"type": "json_object"}},
+        "prefill_of_elsewhere",
+    ],
+    ids=lambda c: next(iter(c)) if isinstance(c, dict) else c,
+)
+def test_the_first_token_comes_from_decode_where_the_output_could_differ(change: Any) -> None:
+    """Requests whose output could depend on where it starts, and a prefill that does not
+    state its prompt (NIXL's: its decode would not take a longer prompt), keep the classic
+    legs: decode gets the client's token count and no token appended."""
+    body = {"prompt": QUESTION, "max_tokens": 6, "stream": True}
+    kwargs = {"kvshare_params": False} if change == "prefill_of_elsewhere" else {}
+    if isinstance(change, dict):
+        body.update(change)
+    with pd_stack(**kwargs) as (url, _, decodes):
+        resp = httpx.post(url + "/v1/completions", json=body, timeout=10)
+    assert resp.status_code == 200, resp.text
+    (dec,) = [r["body"] for r in decodes[0].state.requests]
+    assert dec["max_tokens"] == body["max_tokens"]
+    assert isinstance(dec["prompt"], str) or max(dec["prompt"]) < word_id("")
+
+
+def test_a_decode_that_fails_after_the_first_token_ends_the_stream_with_an_error() -> None:
+    """The stream is under way (status 200, prefill's token sent) when decode refuses the
+    connection: an error event names the server, as a broken stream does."""
+    with fake_server("prefill") as prefill:
+        dead = f"http://127.0.0.1:{pick_free_port()}"
+        app = create_app([prefill.url], [dead], FAST)
+        with ThreadServer(app) as proxy:
+            body = {"prompt": QUESTION, "max_tokens": 4, "stream": True}
+            resp = httpx.post(proxy.url + "/v1/completions", json=body, timeout=10)
+    assert resp.status_code == 200
+    events = [json.loads(x[6:]) for x in resp.text.splitlines() if x.startswith("data: ")]
+    assert events[0]["choices"][0]["text"] == " The"
+    err = events[-1]["error"]
+    assert err["type"] == "backend_unreachable" and dead in err["message"]

@@ -17,7 +17,7 @@ from benchmarks.gpu import serving_report as sr
 from benchmarks.gpu.serving import checks, fault_report, metrics, scaling
 from benchmarks.gpu.serving.client import BenchClient
 
-from .test_bench_serving import vllm_result
+from .test_serving_report import vllm_result
 
 ROOT = Path(__file__).resolve().parent.parent
 
