@@ -101,8 +101,9 @@ def test_opening_events_are_vllms_chunks() -> None:
     (chunk,) = (json.loads(e) for e in _events(opening_events(first, body, 7)))
     assert chunk["id"] == "cmpl-r1" and chunk["object"] == "text_completion"
     want = {"index": 0, "text": " Hello", "logprobs": None, "finish_reason": None}
-    assert chunk["choices"] == [{**want, "stop_reason": None}]
-    assert chunk["usage"] is None
+    ids = {"prompt_token_ids": None, "token_ids": None}
+    assert chunk["choices"] == [{**want, "stop_reason": None, **ids}]
+    assert "usage" not in chunk  # as vLLM's chunks (model_dump_json(exclude_unset=True))
     continuous = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     (chunk,) = (json.loads(e) for e in _events(opening_events(first, continuous, 7)))
     assert chunk["usage"] == {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}

@@ -173,8 +173,9 @@ def opening_events(first: FirstToken, body: dict[str, Any], prompt_tokens: int) 
             "model": first.model}  # fmt: skip
     choice = {"index": 0, "text": first.text, "logprobs": None,
               "finish_reason": first.finish_reason if first.ends else None,
-              "stop_reason": first.stop_reason if first.ends else None}  # fmt: skip
-    chunk: dict[str, Any] = {**head, "choices": [choice], "usage": None}
+              "stop_reason": first.stop_reason if first.ends else None,
+              "prompt_token_ids": None, "token_ids": None}  # fmt: skip
+    chunk: dict[str, Any] = {**head, "choices": [choice]}  # vLLM: usage only if continuous
     if options.get("include_usage") and options.get("continuous_usage_stats"):
         chunk["usage"] = _usage(prompt_tokens, 1)
     events = [_event(chunk)]
