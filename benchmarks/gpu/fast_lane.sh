@@ -154,18 +154,19 @@ for step in "$@"; do
     firsttoken)
       weights
       mode=${FT_MODE:-sync}
-      conc=(1); prompts=4
+      conc=(1); prompts=4; kv=4
       case $mode in
         sync) extra=(--enforce-eager); sargs="--max-num-seqs 64 --no-async-scheduling" ;;
         graphs) extra=(); sargs="--max-num-seqs 64" ;;
         handoff) extra=(--enforce-eager --sample-ids-below 4096 --ours-variants ftp={} ftd={}
                         --first-token-from-decode ours-ftd)
-                 sargs="--max-num-seqs 64"; conc=(1 16); prompts=0 ;;
+                 sargs="--max-num-seqs 64"; conc=(1 16); prompts=0
+                 kv=2 ;;  # 7 engines: 7.8 GiB of weights + 2 GiB of KV each fit an H100
         *) echo "FT_MODE: sync, graphs or handoff, not $mode" >&2; exit 2 ;;
       esac
       python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/firsttoken-$mode" \
         --deployments ours nixl colocated --prefill-gpu 0 --decode-gpu 0 --colocated-gpu 0 \
-        --gpu-mem 0.13 --kv-cache-gib 4 "${extra[@]}" --input-len 1024 4096 \
+        --gpu-mem 0.13 --kv-cache-gib "$kv" "${extra[@]}" --input-len 1024 4096 \
         --concurrency "${conc[@]}" \
         --num-prompts "$prompts" --prompts-per-slot 2 --output-len 32 --rounds 3 \
         --warmup-requests 4 --serve-args "$sargs" \
