@@ -49,19 +49,24 @@ READ_METRICS: list[tuple[str, str]] = [
 ]
 
 
-def load_raw(out: Path, logs: bool = False) -> dict[str, bytes]:
-    """Every raw file (server logs only with ``logs``), keyed by its path under ``raw/``."""
+def load_raw(out: Path, log_name: str | None = None) -> dict[str, bytes]:
+    """Every raw file, keyed by its path under ``raw/``; of the logs (engines', benches',
+    the front's: most of the bytes) only those called ``log_name``."""
+
+    def wanted(name: str) -> bool:
+        return not name.endswith(".log") or name.rpartition("/")[2] == log_name
+
     files: dict[str, bytes] = {}
     raw_dir = out / RAW
     if raw_dir.is_dir():
         for path in raw_dir.rglob("*"):
-            if path.is_file() and (logs or path.suffix != ".log"):
+            if path.is_file() and wanted(path.name):
                 files[path.relative_to(raw_dir).as_posix()] = path.read_bytes()
         return files
     with tarfile.open(out / TARBALL, "r:gz") as tar:
         for member in tar.getmembers():
             name = member.name.removeprefix(f"{RAW}/")
-            if member.isfile() and (logs or not name.endswith(".log")):
+            if member.isfile() and wanted(name):
                 data = tar.extractfile(member)
                 if data is not None:
                     files[name] = data.read()
@@ -141,7 +146,7 @@ def collect(files: dict[str, bytes]) -> dict[str, Any]:
 
 
 def first_token_counts(files: dict[str, bytes]) -> dict[str, dict[str, int]]:
-    """Per deployment behind our proxy (``logs/NAME/proxy.log``, loaded with the logs): the
+    """Per deployment behind our proxy (``logs/NAME/proxy.log``, which ``load_raw`` loads): the
     requests whose first token came from prefill, of all the PD requests it logged."""
     out = {}
     for name, data in files.items():
@@ -447,7 +452,7 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
 
 def write_report(out: Path) -> dict[str, Any]:
     """summary.md, results.json (aggregate plus every run) and scaling.png under ``out``."""
-    collected = collect(load_raw(out, logs=True))  # the proxies' logs: first_token_counts
+    collected = collect(load_raw(out, "proxy.log"))  # for first_token_counts
     summary = aggregate(collected)
     (out / "summary.md").write_text(markdown(summary))
     (out / "results.json").write_text(

@@ -130,7 +130,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
         return 2
-    print(table(load_raw(Path(argv[0]), logs=True)))
+    print(table(load_raw(Path(argv[0]), "proxy.log")))
     return 0
 
 
