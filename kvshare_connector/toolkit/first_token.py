@@ -108,7 +108,7 @@ class FirstToken:
     token_id: int
     text: str
     finish_reason: str  # "length": more to come; anything else: the answer ends here
-    stop_reason: Any
+    stop_reason: int | str | None  # vLLM's: the stop token id or string, when it ended there
     response_id: str
     created: int
     model: str
@@ -136,7 +136,7 @@ def first_token_of(answer: Any) -> FirstToken | None:
         token_id=ids[0],
         text=text,
         finish_reason=finish,
-        stop_reason=choice.get("stop_reason"),
+        stop_reason=reason if isinstance(reason := choice.get("stop_reason"), int | str) else None,
         response_id=str(answer.get("id") or ""),
         created=answer.get("created") if type(answer.get("created")) is int else 0,
         model=str(answer.get("model") or ""),
