@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The GPU fault matrix (issue #25) in one command: several fault cases of
-``bench_serving --mode faults`` at once on one GPU, each its own process with its own ports
-and OUT subfolder, and one table, OUT/fault_matrix.md (and .json), out of the run.
+``bench_serving --mode faults`` at once on one GPU (in waves where their engines do not fit
+it: ``--engines-at-once``), each its own process with its own ports and OUT subfolder, and
+one table, OUT/fault_matrix.md (and .json), out of the run.
 
 Cases (``--cases`` picks some; default all):
 
@@ -56,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.gpu.bench_serving import build_parser
-from benchmarks.gpu.serving.fault_report import VERDICTS
+from benchmarks.gpu.serving.fault_report import VERDICTS, verdict_text
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,8 +92,11 @@ CASES = {
               ["--fault-action", "none"]),
 }  # fmt: skip
 REFERENCE = "fault_free"
-ENGINES_PER_H200 = 10  # E2B shape: 7.8 GiB of weights + 2 GiB of KV + activations each
+ENGINE_GIB = 12.0  # E2B shape: 7.8 GiB of weights + 2 GiB of KV + activations each
+# (11.4 GiB measured on an H100, 2026-12-05: 7 such engines did not fit its 79 GiB)
+ENGINES_PER_H200 = 10  # when the GPU's memory cannot be read
 THROUGHPUT_TARGET = 0.9
+RECOVERY_TARGET_S = 5.0  # issue 25: the victim healthy again -> first good PD request
 VARIANTS = {
     "1p1d": [],
     "1p2d": ["--num-decode", "2"],
@@ -179,6 +183,56 @@ def run_cases(cases: list[Case], argvs: list[list[str]], out: Path,
     return codes
 
 
+def engines_at_once() -> int:
+    """How many case engines the GPU holds at once: its memory over ``ENGINE_GIB`` (an H100
+    6, an H200 11), from nvidia-smi; ``ENGINES_PER_H200`` where that cannot be read."""
+    try:
+        text = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,"
+                               "nounits", "-i", "0"], capture_output=True, text=True,
+                              timeout=30, check=True).stdout  # fmt: skip
+        return max(1, int(float(text.split()[0]) / 1024 / ENGINE_GIB))
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return ENGINES_PER_H200
+
+
+def waves(cases: list[Case], capacity: int) -> list[list[int]]:
+    """Indices of ``cases`` in waves of at most ``capacity`` engines, in the given order (a
+    case larger than the GPU still runs, alone)."""
+    out: list[list[int]] = []
+    used = capacity
+    for i, case in enumerate(cases):
+        need = engines(case)
+        if used + need > capacity:
+            out.append([])
+            used = 0
+        out[-1].append(i)
+        used += need
+    return out
+
+
+def run_waves(cases: list[Case], argvs: list[list[str]], out: Path, time_limit: float,
+              capacity: int) -> tuple[dict[str, int | None], dict[str, str]]:  # fmt: skip
+    """The cases wave after wave (``waves``) within ``time_limit`` s in all: a wave starts
+    only while the time left is at least the longest wave's so far. Exit codes by case, and
+    a note for each case that did not run."""
+    t0 = time.monotonic()
+    codes: dict[str, int | None] = {}
+    skipped: dict[str, str] = {}
+    longest = 0.0
+    for wave in waves(cases, capacity):
+        left = time_limit - (time.monotonic() - t0)
+        if left < max(longest, 30.0):
+            for i in wave:
+                skipped[cases[i].name] = f"not run: {left:.0f} s of the time limit left"
+            continue
+        start = time.monotonic()
+        if len(wave) < len(cases):
+            print(f"[matrix] wave of {[cases[i].name for i in wave]}", flush=True)
+        codes.update(run_cases([cases[i] for i in wave], [argvs[i] for i in wave], out, left))
+        longest = max(longest, time.monotonic() - start)
+    return codes, skipped
+
+
 def _stop(procs: list[subprocess.Popen[bytes]], grace: float = 45.0) -> None:
     live = [p for p in procs if p.poll() is None]
     for p in live:
@@ -249,8 +303,6 @@ def add_throughput(cases: list[Case], rows: list[dict[str, Any]]) -> None:
         )
 
 
-def _pass(v: dict[str, Any] | None) -> str:
-    return "—" if v is None else ("PASS" if v.get("ok") else "FAIL")
 
 
 def _leaked(usage: dict[str, float | None]) -> str:
@@ -268,21 +320,28 @@ def row(case: Case, summary: dict[str, Any] | None, code: int | None) -> dict[st
             **{k: v.get(k) for k in VERDICTS},
             "completed_failed_local": f"{m['completed']}/{m['failed']}/{m['local_loads']}",
             "first_good_s": m.get("fault_to_first_good_s"),
+            "recovery_s": m.get("healthy_to_first_good_s"),
+            "recovery_ok": (None if m.get("healthy_to_first_good_s") is None
+                            else m["healthy_to_first_good_s"] <= RECOVERY_TARGET_S),
             "leaked": _leaked(m.get("usage_after_drain") or {}),
             "verified_loads": v["no_wrong_kv"].get("verified_loads"),
             "output_throughput": m.get("output_throughput"),
             "errors": m.get("errors", [])[:3],
             "preemptions": m.get("preemptions") or {},
+            "decode_alone": m.get("decode_alone") or 0,
             "note": "" if f.get("fired", True) else "failpoint did not fire"}  # fmt: skip
 
 
 def _note(r: dict[str, Any]) -> str:
-    """The row's note, and the engines' preemptions where there were any (small pools:
-    whether decode had to preempt requests it loaded)."""
+    """The row's note, the engines' preemptions where there were any (small pools: whether
+    decode had to preempt requests it loaded), and the requests our proxy had decode serve
+    alone while no prefill was up."""
     pre = {k: int(v) for k, v in (r.get("preemptions") or {}).items() if v}
     parts = [r.get("note") or ""] + (
         ["preemptions: " + ", ".join(f"{k} {v}" for k, v in sorted(pre.items()))] if pre else []
     )
+    if r.get("decode_alone"):
+        parts.append(f"{r['decode_alone']} served by decode alone (no prefill up)")
     return "; ".join(p for p in parts if p)
 
 
@@ -297,26 +356,42 @@ def _throughput(r: dict[str, Any]) -> str:
     return text + ("" if ok is None else " PASS" if ok else " FAIL")
 
 
+def _recovery(r: dict[str, Any]) -> str:
+    """Seconds from the victim healthy again to the first good request through the front;
+    "before" where one came earlier (another engine of the victim's role took the legs)."""
+    s = r.get("recovery_s")
+    if s is None:
+        return "—"
+    verdict = " PASS" if r.get("recovery_ok") else " FAIL"
+    return ("before" if s < 0 else f"{s:.2f}") + verdict
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """The matrix as markdown: one row per case."""
     head = ["case", "victim", "how", *VERDICTS, "completed/failed/local",
-            "first good request (s after fault)", "leaked (KV usage after drain)",
+            "first good request (s after fault)",
+            f"victim healthy -> first good request (s, target <= {RECOVERY_TARGET_S:g})",
+            "leaked (KV usage after drain)",
             "verified loads", "output tok/s (vs fault-free)", "note"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["case"], r["victim"], r["how"], *(_pass(r[k]) for k in VERDICTS),
+        cells = [r["case"], r["victim"], r["how"], *(verdict_text(r[k]) for k in VERDICTS),
                  r.get("completed_failed_local", "—"), r.get("first_good_s") or "—",
+                 _recovery(r),
                  r.get("leaked") or "—", r.get("verified_loads", "—"), _throughput(r),
                  _note(r)]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def write_table(out: Path, cases: list[Case], codes: dict[str, int | None]) -> list[dict]:
+def write_table(out: Path, cases: list[Case], codes: dict[str, int | None],
+                skipped: dict[str, str] | None = None) -> list[dict]:  # fmt: skip
     rows = []
     for case in cases:
         path = out / case.name / "faults.json"
         summary = json.loads(path.read_text()) if path.exists() else None
+        if case.name in (skipped or {}):
+            summary = {"error": skipped[case.name]}  # type: ignore[index]
         rows.append(row(case, summary, codes.get(case.name)))
     add_throughput(cases, rows)
     errors = [f"- {r['case']}: {r['errors']}" for r in rows if r.get("errors")]
@@ -338,25 +413,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", nargs="+", help=f"deployments, of {sorted(VARIANTS)}")
     p.add_argument("--time-limit", type=float, default=520.0,
                    help="s for the whole matrix; then every case is stopped")
+    p.add_argument("--engines-at-once", type=int, default=None,
+                   help="engines the GPU holds at once (default: its memory over "
+                        f"{ENGINE_GIB:g} GiB); cases beyond run in later waves")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     args, extra = p.parse_known_args(argv)
     out = Path(args.out).resolve()
     cases = pick(args.cases, args.variants)
     argvs = [case_argv(c, i, args.model_dir, out, extra) for i, c in enumerate(cases)]
     total = sum(engines(c) for c in cases)
-    print(f"[matrix] {len(cases)} cases, {total} engines at once (one H200 holds ~"
-          f"{ENGINES_PER_H200}: each ~12 GiB with 2 GiB of KV)", flush=True)  # fmt: skip
+    capacity = args.engines_at_once or engines_at_once()
+    print(f"[matrix] {len(cases)} cases, {total} engines, at most {capacity} at once (each "
+          f"~{ENGINE_GIB:g} GiB with 2 GiB of KV): {len(waves(cases, capacity))} wave(s)",
+          flush=True)  # fmt: skip
     if args.dry_run:
         print("\n".join(" ".join(a) for a in argvs))
         return 0
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    codes = run_cases(cases, argvs, out, args.time_limit)
-    rows = write_table(out, cases, codes)
+    codes, skipped = run_waves(cases, argvs, out, args.time_limit, capacity)
+    rows = write_table(out, cases, codes, skipped)
     print((out / "fault_matrix.md").read_text())
     print(f"[matrix] done in {time.monotonic() - t0:.0f}s; {out}", flush=True)
-    ok = all(all(r.get(k) and r[k]["ok"] for k in VERDICTS) and not r["note"]
-             and r.get("throughput_ok") is not False for r in rows)  # fmt: skip
+    ok = all(all(r.get(k) and r[k]["ok"] is not False for k in VERDICTS) and not r["note"]
+             and r.get("throughput_ok") is not False and r.get("recovery_ok") is not False
+             for r in rows)  # fmt: skip
     return 0 if ok else 1
 
 

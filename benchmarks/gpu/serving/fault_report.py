@@ -176,10 +176,22 @@ def verdicts(data: dict[str, Any], requests: list[dict[str, Any]],
         # of the same prompts before and after are evidence only: with random-init weights
         # a restarted engine's own numerics (Triton autotuning per process) flip near-tied
         # tokens (on 2026-12-03 PD vs colocated agreed on 0% of texts, NixlConnector too).
-        "no_wrong_kv": {"ok": wrong_kv == 0 and verified > 0 and bool(after.get("requests")),
+        # With verify_kv off nothing checks the KV: not judged (None), not passed.
+        "no_wrong_kv": {"ok": (wrong_kv == 0 and verified > 0 and bool(after.get("requests"))
+                               if data.get("verify_kv", True) else None),
                         "verify_failures": wrong_kv, "verified_loads": verified,
-                        "check_outputs_differing": wrong_out},
+                        "check_outputs_differing": wrong_out,
+                        **({} if data.get("verify_kv", True) else {"not_judged": "verify_kv off"})},
     }  # fmt: skip
+
+
+def verdict_text(v: dict[str, Any] | None) -> str:
+    """PASS, FAIL, n/a (the verdict could not be judged, and why) or — (no verdict)."""
+    if v is None:
+        return "—"
+    if v.get("ok") is None:
+        return f"n/a ({v.get('not_judged', 'not judged')})"
+    return "PASS" if v["ok"] else "FAIL"
 
 
 def back_event(action: str) -> str:
@@ -260,7 +272,7 @@ def markdown(summary: dict[str, Any]) -> str:
     lines += ["", "| check | result | evidence |", "|---|---|---|"]
     for name, v in summary["verdicts"].items():
         ev = {k: x for k, x in v.items() if k != "ok"}
-        lines.append(f"| {name} | {'PASS' if v['ok'] else 'FAIL'} | `{json.dumps(ev)}` |")
+        lines.append(f"| {name} | {verdict_text(v)} | `{json.dumps(ev)}` |")
     lines += ["", "## Events (s from load start)", ""]
     t0 = summary["t0"]
     for e in summary["events"]:
