@@ -9,11 +9,14 @@ small BPE vocabulary on one CPU core 1.5 ms for a 1k prompt, 55 ms for 32k
 (``return_token_ids``, vLLM 0.26 and 0.33) and the decode leg carries them instead: the same
 ids by construction, so decode's prompt check against prefill's digest holds, and JSON of
 32k ids costs ~4 ms. Chat requests keep their messages (a chat endpoint takes no ids).
+Both legs carry one request id and the client's credentials (``make_request_id``,
+``forwarded_headers``).
 """
 
 from __future__ import annotations
 
 import copy
+import uuid
 from typing import Any
 
 #: What the prefill request carries: "compute the KV, keep it for a remote decode".
@@ -90,3 +93,26 @@ def make_decode_body(
     if token_ids is not None:
         decode["prompt"] = token_ids
     return decode
+
+
+_FORWARDED_HEADERS = ("authorization",)
+
+
+def make_request_id(client_id: str | None) -> str:
+    """A unique id for both servers. vLLM builds its internal request id from X-Request-Id,
+    and a client that reuses one across concurrent requests must not make two PD requests
+    collide on a prefill server; the client's id is kept as a prefix for tracing."""
+    suffix = uuid.uuid4().hex
+    client_id = (client_id or "").strip()
+    return f"{client_id}-{suffix[:12]}" if client_id else f"pd-{suffix}"
+
+
+def forwarded_headers(incoming: Any) -> dict[str, str]:
+    """Client headers worth passing on (credentials), cleaned: clients such as lm-eval send
+    ``Authorization: Bearer `` with an empty key, which is not a legal header value."""
+    out = {}
+    for name in _FORWARDED_HEADERS:
+        value = (incoming.get(name) or "").strip()
+        if value and value.lower() != "bearer":
+            out[name] = value
+    return out

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -44,8 +43,10 @@ from kvshare_connector.toolkit.pd_legs import (  # noqa: F401 (PREFILL_KV_PARAMS
     PREFILL_KV_PARAMS,
     answered_token_ids,
     count_prompts,
+    forwarded_headers,
     make_decode_body,
     make_prefill_body,
+    make_request_id,
     text_prompt,
 )
 from kvshare_connector.toolkit.proxy_backends import (
@@ -63,27 +64,9 @@ logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
 T = TypeVar("T")
-_FORWARDED_HEADERS = ("authorization",)
-
-
-def make_request_id(client_id: str | None) -> str:
-    """A unique id for both servers. vLLM builds its internal request id from X-Request-Id,
-    and a client that reuses one across concurrent requests must not make two PD requests
-    collide on a prefill server; the client's id is kept as a prefix for tracing."""
-    suffix = uuid.uuid4().hex
-    client_id = (client_id or "").strip()
-    return f"{client_id}-{suffix[:12]}" if client_id else f"pd-{suffix}"
-
-
-def forwarded_headers(incoming: Any) -> dict[str, str]:
-    """Client headers worth passing on (credentials), cleaned: clients such as lm-eval send
-    ``Authorization: Bearer `` with an empty key, which is not a legal header value."""
-    out = {}
-    for name in _FORWARDED_HEADERS:
-        value = (incoming.get(name) or "").strip()
-        if value and value.lower() != "bearer":
-            out[name] = value
-    return out
+# A prefill leg failed so (every prefill tried) that decode can serve the request alone:
+# no prefill is serving. Not a timeout: a slow prefill still computes the request.
+PREFILL_DOWN = ("backend_unreachable", "backend_dropped")
 
 
 class PDProxy:
@@ -96,12 +79,15 @@ class PDProxy:
         timeouts: ProxyTimeouts,
         hand_off_token_ids: bool = True,
         first_token_from_prefill: bool = True,
+        decode_alone_when_prefill_down: bool = True,
     ) -> None:
         self.prefill = RoundRobin(prefill_urls)
         self.decode = RoundRobin(decode_urls)
         self.timeouts = timeouts
         self.hand_off_token_ids = hand_off_token_ids  # pd_legs: decode gets prefill's ids
         self.first_token_from_prefill = first_token_from_prefill  # first_token.py
+        self.decode_alone_when_prefill_down = decode_alone_when_prefill_down
+        self.served_alone = 0  # requests decode computed whole: no prefill answered
         self.client: httpx.AsyncClient | None = None
 
     def _client(self) -> httpx.AsyncClient:
@@ -241,6 +227,29 @@ class PDProxy:
             events(), media_type="text/event-stream", headers={REQUEST_ID_HEADER: request_id}
         )
 
+    async def decode_alone(
+        self, path: str, body: dict[str, Any], headers: dict[str, str], cause: ProxyError
+    ) -> Response:
+        """No prefill could be reached (every one refused or dropped the request): a decode
+        server computes the whole request itself, as a colocated engine would, so the
+        client gets its answer, later, instead of the prefill's error. Decode's batch pays
+        the prompt's compute; a client error or a bad prefill answer never comes here."""
+        request_id = headers[REQUEST_ID_HEADER]
+        self.served_alone += 1
+        logger.warning("req=%s: no prefill answered (%s); decode computes the request alone",
+                       request_id, cause.message)  # fmt: skip
+        plain = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+
+        def leg(url: str) -> Awaitable[Response]:
+            if plain.get("stream"):
+                return self.stream_decode(url, path, plain, headers, request_id)
+            return self.run_decode(url, path, plain, headers)
+
+        response, url = await self._failover(self.decode, request_id, leg)
+        logger.info("req=%s %s decode=%s: served by decode alone", request_id, path, url)
+        response.headers[REQUEST_ID_HEADER] = request_id
+        return response
+
     async def handle(self, request: Request, path: str) -> Response:
         request_id = make_request_id(request.headers.get(REQUEST_ID_HEADER))
         request.state.request_id = request_id
@@ -273,9 +282,15 @@ class PDProxy:
             sent.append(headers[REQUEST_ID_HEADER])
             return self.run_prefill(url, path, body, headers)
 
-        (kv, token_ids, answer), prefill_url = await self._failover(
-            self.prefill, request_id, prefill_leg, resend_dropped=True
-        )
+        try:
+            (kv, token_ids, answer), prefill_url = await self._failover(
+                self.prefill, request_id, prefill_leg, resend_dropped=True
+            )
+        except ProxyError as exc:
+            if not self.decode_alone_when_prefill_down or exc.kind not in PREFILL_DOWN:
+                raise
+            headers[REQUEST_ID_HEADER] = request_id
+            return await self.decode_alone(path, body, headers, exc)
         request_id = headers[REQUEST_ID_HEADER]
         t1 = time.perf_counter()
         decode_url = self.decode.pick()
@@ -371,6 +386,7 @@ class PDProxy:
             "status": "ok" if ok else "unhealthy",
             "prefill": probes[:n],
             "decode": probes[n:],
+            "served_by_decode_alone": self.served_alone,
         }
 
 
@@ -382,11 +398,12 @@ def create_app(
     max_connections: int | None = None,
     hand_off_token_ids: bool = True,
     first_token_from_prefill: bool = True,
+    decode_alone_when_prefill_down: bool = True,
 ) -> FastAPI:
     """Build the proxy app. The httpx client lives in the app's lifespan (its event loop)."""
     timeouts = timeouts or ProxyTimeouts()
     proxy = PDProxy(prefill_urls, decode_urls, timeouts, hand_off_token_ids,
-                    first_token_from_prefill)  # fmt: skip
+                    first_token_from_prefill, decode_alone_when_prefill_down)  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -465,6 +482,7 @@ def serve(
     log_level: str = "info",
     hand_off_token_ids: bool = True,
     first_token_from_prefill: bool = True,
+    decode_alone_when_prefill_down: bool = True,
 ) -> None:
     """Run the proxy with uvicorn until interrupted."""
     import uvicorn
@@ -475,5 +493,6 @@ def serve(
         timeouts,
         hand_off_token_ids=hand_off_token_ids,
         first_token_from_prefill=first_token_from_prefill,
+        decode_alone_when_prefill_down=decode_alone_when_prefill_down,
     )
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -388,6 +388,7 @@ class FaultRun:
                 "reference_records": ref_records, "after_records": after_records,
                 "after": after, "drained_s": drained, "usage_after_drain": usage,
                 "final_kvshare": final, "bench_file": run["file"],
+                "verify_kv": bool(p.deployment.cfg.kv_extra_config.get("verify_kv", True)),
                 "fault": {"victim": victim.role, "engine": victim.name,
                           "survivor": self.survivor.name, "action": a.fault_action,
                           "point": a.fault_point, "skip": self.skip if a.fault_point else None,
@@ -438,6 +439,10 @@ def run_faults(runner: Runner, out: Path) -> int:
     entry = next((r for r in _manifest(raw) if r["file"] == data["bench_file"]), {})
     end_wall = entry.get("end", time.time())
     summary = summarize(data, result, end_wall, a.probe_timeout, entry.get("output_len"))
+    proxy_log = raw / "logs" / fault.p.name / "proxy.log"  # our proxy: no prefill was up
+    summary["measured"]["decode_alone"] = (
+        proxy_log.read_text(errors="replace").count("served by decode alone")
+        if proxy_log.exists() else 0)  # fmt: skip
     summary["setup"] = {"deployment": fault.p.name, "front": fault.p.router,
                         "victim": a.fault_victim, "action": a.fault_action,
                         "point": a.fault_point, "kill_after_s": a.kill_after,
@@ -446,7 +451,7 @@ def run_faults(runner: Runner, out: Path) -> int:
                                 f"{a.input_len[0]}, output {a.output_len}"}  # fmt: skip
     (out / "faults.json").write_text(json.dumps(summary, indent=1, default=str))
     (out / "faults.md").write_text(markdown(summary))
-    ok = all(v["ok"] for v in summary["verdicts"].values())
+    ok = all(v["ok"] is not False for v in summary["verdicts"].values())  # None: not judged
     return 0 if ok and data["fault"]["fired"] else 1
 
 
