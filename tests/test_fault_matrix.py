@@ -152,6 +152,23 @@ def test_fault_verdicts_decode_victim_and_stop() -> None:
     assert not v["no_hang"]["ok"] and v["no_hang"]["requests_past_timeout"] == 1
 
 
+def test_connector_series_count_every_decode_not_only_the_restarted_victim() -> None:
+    """1P2D, decode0 killed and restarted, no read on it since: decode1's reads show the
+    series live (2026-12-05 marked this FAIL on decode0's reset counters alone); with no
+    read on either decode the verdict still fails (the control)."""
+    t0 = 1_000_000.0
+    data = _fault_data(t0, victim="decode")
+    data["fault"]["roles"]["decode1"] = "decode"
+    data["final_kvshare"]["decode0"]["vllm:kvshare_read_seconds_count"] = 0.0
+    data["final_kvshare"]["decode1"] = {"vllm:kvshare_read_seconds_count": 41.0}
+    series = fault_report.summarize(data, _result(), t0 + 61.0, 30.0)["verdicts"][
+        "connector_series_live"]  # fmt: skip
+    assert series["ok"] and series["decode"]["read_seconds_count"] == 41.0
+    data["final_kvshare"]["decode1"]["vllm:kvshare_read_seconds_count"] = 0.0
+    assert not fault_report.summarize(data, _result(), t0 + 61.0, 30.0)["verdicts"][
+        "connector_series_live"]["ok"]  # fmt: skip
+
+
 def test_counter_total_sums_across_restarts() -> None:
     assert fault_report.counter_total([None, 1.0, 3.0, None, 2.0, 4.0]) == 7.0
     assert fault_report.counter_total([]) == 0.0

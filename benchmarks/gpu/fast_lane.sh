@@ -157,11 +157,11 @@ for step in "$@"; do
       conc=(1); prompts=4; kv=4
       case $mode in
         sync) extra=(--enforce-eager); sargs="--max-num-seqs 64 --no-async-scheduling" ;;
-        graphs) extra=(); sargs="--max-num-seqs 64" ;;
+        graphs) extra=(--sample-ids-below 4096); sargs="--max-num-seqs 64" ;;
         handoff) extra=(--enforce-eager --sample-ids-below 4096 --ours-variants ftp={} ftd={}
                         --first-token-from-decode ours-ftd)
                  sargs="--max-num-seqs 64"; conc=(1 16); prompts=0
-                 kv=2 ;;  # 7 engines: 7.8 GiB of weights + 2 GiB of KV each fit an H100
+                 kv=${FT_KV_GIB:-1} ;;  # 7 engines: 7.8 GiB of weights + 1 GiB of KV each fit an H100 (2 GiB did not: OOM)
         *) echo "FT_MODE: sync, graphs or handoff, not $mode" >&2; exit 2 ;;
       esac
       python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/firsttoken-$mode" \

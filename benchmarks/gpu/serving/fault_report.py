@@ -129,7 +129,10 @@ def verdicts(data: dict[str, Any], requests: list[dict[str, Any]],
     )
     final = data.get("final_kvshare") or {}
     decodes = [n for n, r in f["roles"].items() if r == "decode"]
-    dec = final.get(decodes[0]) or {}
+    # Decode's series summed over the decodes: a victim restarted with no read since (its
+    # counters start again) must not hide the reads of the decode that took its requests.
+    finals = [final.get(d) or {} for d in decodes]
+    dec = {k: sum(f.get(k) or 0.0 for f in finals) for k in sorted(set().union(*finals))}
     pre = final.get(next(n for n, r in f["roles"].items() if r == "prefill")) or {}
     after = data.get("after") or {}
     wrong_kv = sum(engine_counter(data, d, "verify_failures_total") for d in decodes)
