@@ -41,7 +41,9 @@
 #            whole prefill) is an eager engine under async scheduling (issue 21);
 #            FT_MODE=handoff: the first token from prefill (ours-ftp, the proxy's default)
 #            beside the classic legs (ours-ftd), NixlConnector and colocated, at 1k and 4k x
-#            concurrency 1 and 16, eager, sampling only ids the tokenizer has text for
+#            concurrency 1 and 16, eager, FT_KV_GIB (default 1) of KV per engine; handoff
+#            and graphs sample only ids the tokenizer has text for (the hand-off needs a
+#            first token with text)
 #   faults   the fault matrix (issue 25): FAULT_CASES (default c d e f: prefill hung,
 #            prefill dies before a release, a side-channel flood, the decode that never
 #            comes) in FAULT_VARIANTS (default 1p1d; also 1p2d 2p1d router router-1p2d noverify);
