@@ -339,7 +339,7 @@ def test_fault_matrix_judges_recovery_and_leaves_unchecked_kv_unjudged(tmp_path:
     unchecked["verify_kv"] = False
     quick = fault_report.summarize(unchecked, _result(), t0 + 61.0, 30.0)
     quick["measured"]["healthy_to_first_good_s"] = 0.4
-    quick["measured"]["decode_alone"] = 9
+    quick["measured"]["served_alone"] = {"decode": 9, "prefill": 0}
     assert quick["verdicts"]["no_wrong_kv"]["ok"] is None
     assert slow["verdicts"]["no_wrong_kv"]["ok"] is True
     assert "| no_wrong_kv | n/a (verify_kv off) |" in fault_report.markdown(quick)
@@ -351,4 +351,4 @@ def test_fault_matrix_judges_recovery_and_leaves_unchecked_kv_unjudged(tmp_path:
     text = (tmp_path / "fault_matrix.md").read_text()
     assert "| 12.2 | 7.50 FAIL |" in text and "| 12.2 | 0.40 PASS |" in text
     assert "| PASS | n/a (verify_kv off) | 50/10/2 |" in text
-    assert text.count("served by decode alone") == 1 and "9 served by decode alone" in text
+    assert text.count("served by") == 1 and "9 served by decode alone (no prefill up)" in text

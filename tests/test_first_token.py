@@ -248,10 +248,11 @@ def test_the_first_token_comes_from_decode_where_the_output_could_differ(change:
 
 def test_a_decode_that_fails_after_the_first_token_ends_the_stream_with_an_error() -> None:
     """The stream is under way (status 200, prefill's token sent) when decode refuses the
-    connection: an error event names the server, as a broken stream does."""
+    connection: an error event names the server, as a broken stream does (``--side-down
+    fail``; prefill continuing the stream alone: test_proxy_side_down.py)."""
     with fake_server("prefill") as prefill:
         dead = f"http://127.0.0.1:{pick_free_port()}"
-        app = create_app([prefill.url], [dead], FAST)
+        app = create_app([prefill.url], [dead], FAST, serve_alone=False)
         with ThreadServer(app) as proxy:
             body = {"prompt": QUESTION, "max_tokens": 4, "stream": True}
             resp = httpx.post(proxy.url + "/v1/completions", json=body, timeout=10)

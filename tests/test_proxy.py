@@ -240,11 +240,11 @@ def _error(resp: httpx.Response) -> dict[str, Any]:
 
 
 def test_prefill_down_is_503_naming_the_server() -> None:
-    """With ``--prefill-down fail`` (decode serving alone is tested in
-    test_proxy_prefill_down.py)."""
+    """With ``--side-down fail`` (decode serving alone is tested in
+    test_proxy_side_down.py)."""
     dead = f"http://127.0.0.1:{pick_free_port()}"
     with fake_server("decode") as dec, ThreadServer(
-        create_app([dead], [dec.url], FAST, decode_alone_when_prefill_down=False)
+        create_app([dead], [dec.url], FAST, serve_alone=False)
     ) as px:
         resp = httpx.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
     assert resp.status_code == 503
@@ -255,12 +255,14 @@ def test_prefill_down_is_503_naming_the_server() -> None:
 
 
 def test_decode_down_is_503_naming_the_server() -> None:
-    """Before any token is sent. (A stream that opens with prefill's first token has its
-    status sent: there decode's failure is an error event, tested above.)"""
+    """Before any token is sent, with ``--side-down fail`` (prefill serving alone:
+    test_proxy_side_down.py). (A stream that opens with prefill's first token has its
+    status sent: there decode's failure is an error event, tested in test_first_token.)"""
     dead = f"http://127.0.0.1:{pick_free_port()}"
     with (
         fake_server("prefill") as pre,
-        ThreadServer(create_app([pre.url], [dead], FAST, first_token_from_prefill=False)) as px,
+        ThreadServer(create_app([pre.url], [dead], FAST, first_token_from_prefill=False,
+                                serve_alone=False)) as px,
     ):
         plain = httpx.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
         streamed = httpx.post(
@@ -380,13 +382,13 @@ def test_a_prefill_that_drops_the_request_is_sent_to_another(caplog: Any) -> Non
 
 def test_a_dropped_leg_is_sent_once_more_at_most_and_never_to_decode() -> None:
     """The control: a lone prefill that drops every request is asked twice, then the client
-    gets a 502 naming it (``--prefill-down fail``); a decode that drops its leg is not asked
+    gets a 502 naming it (``--side-down fail``); a decode that drops its leg is not asked
     again (it may have read the KV), the other decode never sees the request."""
     with ExitStack() as stack:
         dropper, seen = stack.enter_context(dropping_server())
         dec = stack.enter_context(fake_server("decode"))
         px = stack.enter_context(ThreadServer(
-            create_app([dropper], [dec.url], FAST, decode_alone_when_prefill_down=False)))
+            create_app([dropper], [dec.url], FAST, serve_alone=False)))
         resp = httpx.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
     assert resp.status_code == 502 and len(seen) == 2 and seen[0] != seen[1]
     err = _error(resp)
@@ -397,7 +399,8 @@ def test_a_dropped_leg_is_sent_once_more_at_most_and_never_to_decode() -> None:
         dropper, seen = stack.enter_context(dropping_server())
         pre = stack.enter_context(fake_server("prefill"))
         good = stack.enter_context(fake_server("decode"))
-        px = stack.enter_context(ThreadServer(create_app([pre.url], [dropper, good.url], FAST)))
+        px = stack.enter_context(ThreadServer(
+            create_app([pre.url], [dropper, good.url], FAST, serve_alone=False)))
         resp = httpx.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
     assert resp.status_code == 502 and len(seen) == 1
     assert _error(resp)["server"] == dropper and good.state.hits["completions"] == 0
@@ -438,7 +441,7 @@ def test_decode_rejection_passes_through() -> None:
 
 def test_timeouts_are_504() -> None:
     """A slow prefill still computes the request: it is not served around by decode alone
-    (test_proxy_prefill_down.py), the client gets the 504."""
+    (test_proxy_side_down.py), the client gets the 504."""
     short = ProxyTimeouts(connect=1.0, read=0.5, health=1.0)
     with pd_stack(timeouts=short, delay=3.0) as (url, prefills, _):
         t0 = time.monotonic()

@@ -328,20 +328,20 @@ def row(case: Case, summary: dict[str, Any] | None, code: int | None) -> dict[st
             "output_throughput": m.get("output_throughput"),
             "errors": m.get("errors", [])[:3],
             "preemptions": m.get("preemptions") or {},
-            "decode_alone": m.get("decode_alone") or 0,
+            "served_alone": m.get("served_alone") or {},
             "note": "" if f.get("fired", True) else "failpoint did not fire"}  # fmt: skip
 
 
 def _note(r: dict[str, Any]) -> str:
     """The row's note, the engines' preemptions where there were any (small pools: whether
-    decode had to preempt requests it loaded), and the requests our proxy had decode serve
-    alone while no prefill was up."""
+    decode had to preempt requests it loaded), and the requests our proxy had one side
+    serve alone while the other was down."""
     pre = {k: int(v) for k, v in (r.get("preemptions") or {}).items() if v}
     parts = [r.get("note") or ""] + (
         ["preemptions: " + ", ".join(f"{k} {v}" for k, v in sorted(pre.items()))] if pre else []
     )
-    if r.get("decode_alone"):
-        parts.append(f"{r['decode_alone']} served by decode alone (no prefill up)")
+    parts += [f"{n} served by {side} alone (no {'prefill' if side == 'decode' else 'decode'} up)"
+              for side, n in sorted((r.get("served_alone") or {}).items()) if n]
     return "; ".join(p for p in parts if p)
 
 

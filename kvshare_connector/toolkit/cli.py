@@ -64,7 +64,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
         log_level=args.log_level.lower(),
         hand_off_token_ids=not args.prompt_as_text,
         first_token_from_prefill=args.first_token == "prefill",
-        decode_alone_when_prefill_down=args.prefill_down == "decode",
+        serve_alone=args.side_down == "alone",
     )
     return 0
 
@@ -102,7 +102,7 @@ def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
         "ids prefill computed, so decode's server does not tokenize it again)",
     )
     _add_first_token(p)
-    _add_prefill_down(p)
+    _add_side_down(p)
     _add_timeouts(p)
     p.set_defaults(func=_run_proxy, check=_check_proxy)
 
@@ -137,7 +137,7 @@ def serve_config_from_args(args: argparse.Namespace) -> Any:
         proxy_timeouts=_timeouts(args),
         router=args.router,
         first_token=getattr(args, "first_token", "prefill"),
-        prefill_down=getattr(args, "prefill_down", "decode"),
+        side_down=getattr(args, "side_down", "alone"),
         router_policy=args.router_policy,
         router_metrics_port=args.router_metrics_port,
         router_args=list(args.router_args or []),
@@ -231,7 +231,7 @@ def add_serve_pd_parser(sub: argparse._SubParsersAction) -> None:
     _add_process_args(p)
     _add_router_args(p)
     _add_first_token(p)
-    _add_prefill_down(p)
+    _add_side_down(p)
     _add_timeouts(p)
     p.set_defaults(func=_run_serve_pd, check=_check_serve_pd)
 
@@ -353,14 +353,15 @@ def _add_first_token(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_prefill_down(p: argparse.ArgumentParser) -> None:
+def _add_side_down(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--prefill-down",
-        choices=["decode", "fail"],
-        default="decode",
-        help="a request no prefill server takes (every one refused the connection or "
-        "dropped it unanswered: down): 'decode' (default) has a decode server compute it "
-        "alone, as a colocated engine would; 'fail' answers the prefill's error (503/502)",
+        "--side-down",
+        choices=["alone", "fail"],
+        default="alone",
+        help="a leg no server of its side takes (prefill or decode: every one refused the "
+        "connection or dropped it unanswered): 'alone' (default) has a server of the other "
+        "side compute the request whole, as a colocated engine would; 'fail' answers the "
+        "error (503/502)",
     )
 
 

@@ -109,7 +109,7 @@ class ServeConfig:
     proxy_timeouts: ProxyTimeouts = field(default_factory=ProxyTimeouts)
     router: str = "kvshare"  # one of ROUTERS
     first_token: str = "prefill"  # our proxy: "prefill" streams prefill's token (first_token.py)
-    prefill_down: str = "decode"  # our proxy, no prefill answering: "decode" serves it alone
+    side_down: str = "alone"  # our proxy, one side all down: "alone" (the other serves) or "fail"
     router_policy: str = "round_robin"  # vllm-router's --policy (prefill and decode)
     router_metrics_port: int | None = None  # vllm-router's Prometheus port; None: a free one
     router_args: list[str] = field(default_factory=list)  # more vllm-router arguments
@@ -124,8 +124,8 @@ class ServeConfig:
             raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
         if self.first_token not in ("prefill", "decode"):
             raise ValueError(f"first_token must be prefill or decode, got {self.first_token!r}")
-        if self.prefill_down not in ("decode", "fail"):
-            raise ValueError(f"prefill_down must be decode or fail, got {self.prefill_down!r}")
+        if self.side_down not in ("alone", "fail"):
+            raise ValueError(f"side_down must be alone or fail, got {self.side_down!r}")
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("need at least one prefill and one decode server")
         if not self.prefill_gpus or not self.decode_gpus:
@@ -289,7 +289,7 @@ def proxy_argv(cfg: ServeConfig, engines: Sequence[EngineSpec]) -> list[str]:
         "--read-timeout",
         str(t.read),
     ]
-    argv += ["--first-token", cfg.first_token, "--prefill-down", cfg.prefill_down]
+    argv += ["--first-token", cfg.first_token, "--side-down", cfg.side_down]
     argv += ["--prefill", *[e.url for e in engines if e.role == "prefill"]]
     argv += ["--decode", *[e.url for e in engines if e.role == "decode"]]
     return argv

@@ -14,7 +14,8 @@ The proxy never imports vLLM: it is plain FastAPI + httpx, so it runs anywhere.
 Errors name the backend and the request id; backend 4xx (client errors) pass through
 unchanged, everything else becomes 502 (bad answer, connection dropped), 503 (unreachable)
 or 504 (timeout). A backend that refused the connection is passed over; a prefill leg whose
-connection dropped without an answer is sent once more.
+connection dropped without an answer is sent once more; with every server of one side down,
+a server of the other side computes the request alone (``proxy_legs``).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -52,25 +53,60 @@ from kvshare_connector.toolkit.pd_legs import (  # noqa: F401 (PREFILL_KV_PARAMS
 from kvshare_connector.toolkit.proxy_backends import (
     ProxyError,
     ProxyTimeouts,
-    RoundRobin,
-    check_status,
     error_event,
     snippet,
     transport_error,
 )
-from kvshare_connector.toolkit.proxy_streams import open_stream, relay
+from kvshare_connector.toolkit.proxy_legs import REQUEST_ID_HEADER, Legs, without_kv_params
+from kvshare_connector.toolkit.proxy_streams import relay
 
 logger = logging.getLogger(__name__)
 
-REQUEST_ID_HEADER = "X-Request-Id"
-T = TypeVar("T")
-# A prefill leg failed so (every prefill tried) that decode can serve the request alone:
-# no prefill is serving. Not a timeout: a slow prefill still computes the request.
-PREFILL_DOWN = ("backend_unreachable", "backend_dropped")
+
+async def accept(request: Request, path: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The client's request as a body the proxy can split, and the headers both legs carry
+    (a request id of the proxy's, the client's credentials); a 400 otherwise."""
+    request_id = make_request_id(request.headers.get(REQUEST_ID_HEADER))
+    request.state.request_id = request_id
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise ProxyError(400, "request body is not valid JSON", kind="invalid_request") from exc
+    if not isinstance(body, dict):
+        raise ProxyError(400, "request body must be a JSON object", kind="invalid_request")
+    if path == "/v1/completions" and count_prompts(body.get("prompt")) != 1:
+        raise ProxyError(
+            400,
+            "the PD proxy takes one prompt per request (vLLM returns "
+            "one kv_transfer_params per response)",
+            kind="invalid_request",
+        )
+    return body, {REQUEST_ID_HEADER: request_id, **forwarded_headers(request.headers)}
 
 
-class PDProxy:
-    """The proxy's state and request flow; ``create_app`` wires it into FastAPI."""
+def error_response(request: Request, exc: ProxyError) -> Response:
+    """A failed request's answer: a backend's client error as it came, else an OpenAI-style
+    JSON error naming server and request."""
+    request_id = getattr(request.state, "request_id", None)
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else {}
+    if exc.passthrough is not None:
+        logger.warning("req=%s %s: HTTP %d %s", request_id, exc.message, exc.status,
+                       snippet(exc.passthrough))  # fmt: skip
+        return Response(
+            content=exc.passthrough.content,
+            status_code=exc.status,
+            media_type=exc.passthrough.headers.get("content-type"),
+            headers=headers,
+        )
+    logger.error("req=%s HTTP %d: %s", request_id, exc.status, exc.message)
+    error = {"message": exc.message, "type": exc.kind, "code": exc.status,
+             "server": exc.server, "request_id": request_id}  # fmt: skip
+    return JSONResponse({"error": error}, status_code=exc.status, headers=headers)
+
+
+class PDProxy(Legs):
+    """The proxy's request flow (``proxy_legs.Legs`` carries each leg); ``create_app`` wires
+    it into FastAPI."""
 
     def __init__(
         self,
@@ -79,64 +115,11 @@ class PDProxy:
         timeouts: ProxyTimeouts,
         hand_off_token_ids: bool = True,
         first_token_from_prefill: bool = True,
-        decode_alone_when_prefill_down: bool = True,
+        serve_alone: bool = True,
     ) -> None:
-        self.prefill = RoundRobin(prefill_urls)
-        self.decode = RoundRobin(decode_urls)
-        self.timeouts = timeouts
+        super().__init__(prefill_urls, decode_urls, timeouts, serve_alone)
         self.hand_off_token_ids = hand_off_token_ids  # pd_legs: decode gets prefill's ids
         self.first_token_from_prefill = first_token_from_prefill  # first_token.py
-        self.decode_alone_when_prefill_down = decode_alone_when_prefill_down
-        self.served_alone = 0  # requests decode computed whole: no prefill answered
-        self.client: httpx.AsyncClient | None = None
-
-    def _client(self) -> httpx.AsyncClient:
-        if self.client is None:
-            raise RuntimeError("proxy HTTP client not started (app lifespan not running)")
-        return self.client
-
-    async def _failover(
-        self,
-        pool: RoundRobin,
-        request_id: str,
-        leg: Callable[[str], Awaitable[T]],
-        first: str | None = None,
-        resend_dropped: bool = False,
-    ) -> tuple[T, str]:
-        """``leg(url)`` on ``first`` or the next backend of ``pool``; a backend that refused
-        the connection (the request never reached it) is passed over for a while and the
-        leg goes to the next one, until each was tried once.
-
-        With ``resend_dropped`` (the prefill leg) a connection closed without an answer (a
-        prefill that died under the request, a reused connection it had closed) is sent
-        once more, to the next backend (the same one when it is alone): a prefill answer
-        nobody received only holds blocks until its lease ends. A decode leg is never sent
-        twice: the first decode may have read the KV, which prefill then freed."""
-        tried: list[str] = []
-        resent = False
-        while True:
-            url = first if first is not None and not tried else pool.pick(tried)
-            try:
-                return await leg(url), url
-            except ProxyError as exc:
-                tried.append(url)
-                if exc.kind == "backend_unreachable" and len(tried) < len(pool.urls):
-                    pool.mark_down(url)
-                elif exc.kind == "backend_dropped" and resend_dropped and not resent:
-                    resent = True
-                else:
-                    raise
-                logger.warning("req=%s %s; trying another", request_id, exc.message)
-
-    async def _post(
-        self, side: str, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
-    ) -> httpx.Response:
-        try:
-            resp = await self._client().post(url + path, json=body, headers=headers)
-        except httpx.HTTPError as exc:
-            raise transport_error(exc, side, url, self.timeouts) from exc
-        check_status(resp, side, url)
-        return resp
 
     async def run_prefill(
         self, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
@@ -167,28 +150,6 @@ class PDProxy:
             )
         return kv, answered_token_ids(data, kv) if want_ids else None, data
 
-    async def run_decode(
-        self, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
-    ) -> Response:
-        resp = await self._post("decode", url, path, body, headers)
-        return Response(
-            content=resp.content,
-            status_code=resp.status_code,
-            media_type=resp.headers.get("content-type", "application/json"),
-        )
-
-    async def stream_decode(
-        self, url: str, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
-    ) -> Response:
-        """Open the decode stream first, so a refused request still gets a proper status."""
-        resp = await open_stream(self._client(), url, path, body, headers, self.timeouts)
-        return StreamingResponse(
-            relay(resp, url, request_id, self.timeouts),
-            status_code=resp.status_code,
-            media_type=resp.headers.get("content-type", "text/event-stream"),
-            headers={REQUEST_ID_HEADER: request_id},
-        )
-
     def stream_after_first(
         self,
         first: FirstToken,
@@ -199,11 +160,9 @@ class PDProxy:
         decode_url: str,
     ) -> Response:
         """The client's stream opens with prefill's token at once; the decode leg is sent
-        behind it, and a decode that fails is an error event (the stream is under way)."""
+        behind it. With every decode down a prefill server continues the stream alone;
+        any other decode failure is an error event (the stream is under way)."""
         request_id = headers[REQUEST_ID_HEADER]
-
-        def open_leg(url: str) -> Awaitable[httpx.Response]:
-            return open_stream(self._client(), url, path, decode_body, headers, self.timeouts)
 
         async def events() -> AsyncIterator[bytes]:
             for event in opening:
@@ -213,61 +172,35 @@ class PDProxy:
                             first.finish_reason)  # fmt: skip
                 return
             try:
-                resp, url = await self._failover(self.decode, request_id, open_leg, decode_url)
+                try:
+                    side = "decode"
+                    resp, url = await self._failover(
+                        self.decode, request_id, self.opener(side, path, decode_body, headers),
+                        decode_url)  # fmt: skip
+                except ProxyError as exc:
+                    if not self.may_serve_alone(exc):
+                        raise
+                    side = "prefill"  # the rest, prompt and first token as ids, computed
+                    self.count_alone(side, request_id, exc)  # there from the start
+                    alone = {**headers, REQUEST_ID_HEADER: make_request_id(request_id)}
+                    resp, url = await self._failover(self.prefill, request_id, self.opener(
+                        side, path, without_kv_params(decode_body), alone))  # fmt: skip
             except ProxyError as exc:
                 logger.error("req=%s decode leg after the first token: %s", request_id,
                              exc.message)  # fmt: skip
                 yield error_event(exc, request_id)
                 return
             edit = count_first_token_as_output
-            async for chunk in relay(resp, url, request_id, self.timeouts, edit):
+            async for chunk in relay(resp, url, request_id, self.timeouts, edit, side):
                 yield chunk
 
         return StreamingResponse(
             events(), media_type="text/event-stream", headers={REQUEST_ID_HEADER: request_id}
         )
 
-    async def decode_alone(
-        self, path: str, body: dict[str, Any], headers: dict[str, str], cause: ProxyError
-    ) -> Response:
-        """No prefill could be reached (every one refused or dropped the request): a decode
-        server computes the whole request itself, as a colocated engine would, so the
-        client gets its answer, later, instead of the prefill's error. Decode's batch pays
-        the prompt's compute; a client error or a bad prefill answer never comes here."""
-        request_id = headers[REQUEST_ID_HEADER]
-        self.served_alone += 1
-        logger.warning("req=%s: no prefill answered (%s); decode computes the request alone",
-                       request_id, cause.message)  # fmt: skip
-        plain = {k: v for k, v in body.items() if k != "kv_transfer_params"}
-
-        def leg(url: str) -> Awaitable[Response]:
-            if plain.get("stream"):
-                return self.stream_decode(url, path, plain, headers, request_id)
-            return self.run_decode(url, path, plain, headers)
-
-        response, url = await self._failover(self.decode, request_id, leg)
-        logger.info("req=%s %s decode=%s: served by decode alone", request_id, path, url)
-        response.headers[REQUEST_ID_HEADER] = request_id
-        return response
-
     async def handle(self, request: Request, path: str) -> Response:
-        request_id = make_request_id(request.headers.get(REQUEST_ID_HEADER))
-        request.state.request_id = request_id
-        try:
-            body = await request.json()
-        except ValueError as exc:
-            raise ProxyError(400, "request body is not valid JSON", kind="invalid_request") from exc
-        if not isinstance(body, dict):
-            raise ProxyError(400, "request body must be a JSON object", kind="invalid_request")
-        if path == "/v1/completions" and count_prompts(body.get("prompt")) != 1:
-            raise ProxyError(
-                400,
-                "the PD proxy takes one prompt per request (vLLM returns "
-                "one kv_transfer_params per response)",
-                kind="invalid_request",
-            )
-        headers = {REQUEST_ID_HEADER: request_id}
-        headers.update(forwarded_headers(request.headers))
+        body, headers = await accept(request, path)
+        request_id = headers[REQUEST_ID_HEADER]
         stream = bool(body.get("stream"))
         t0 = time.perf_counter()
         sent: list[str] = []
@@ -287,10 +220,10 @@ class PDProxy:
                 self.prefill, request_id, prefill_leg, resend_dropped=True
             )
         except ProxyError as exc:
-            if not self.decode_alone_when_prefill_down or exc.kind not in PREFILL_DOWN:
+            if not self.may_serve_alone(exc):
                 raise
-            headers[REQUEST_ID_HEADER] = request_id
-            return await self.decode_alone(path, body, headers, exc)
+            headers[REQUEST_ID_HEADER] = request_id  # decode is another engine
+            return await self.alone("decode", path, body, headers, exc)
         request_id = headers[REQUEST_ID_HEADER]
         t1 = time.perf_counter()
         decode_url = self.decode.pick()
@@ -314,12 +247,18 @@ class PDProxy:
 
         def decode_leg(url: str) -> Awaitable[Response]:
             if stream:
-                return self.stream_decode(url, path, decode_body, headers, request_id)
-            return self.run_decode(url, path, decode_body, headers)
+                return self.stream_leg("decode", url, path, decode_body, headers)
+            return self.run_leg("decode", url, path, decode_body, headers)
 
-        response, decode_url = await self._failover(
-            self.decode, request_id, decode_leg, first=decode_url
-        )
+        try:
+            response, decode_url = await self._failover(
+                self.decode, request_id, decode_leg, first=decode_url
+            )
+        except ProxyError as exc:  # before the client got anything: the whole request
+            if not self.may_serve_alone(exc):  # on prefill, under an id of its own
+                raise
+            headers[REQUEST_ID_HEADER] = make_request_id(request_id)
+            return await self.alone("prefill", path, body, headers, exc)
         logger.info(
             "req=%s %s prefill=%s decode=%s stream=%s: prefill %.1f ms, decode %s %.1f ms%s",
             request_id,
@@ -386,7 +325,8 @@ class PDProxy:
             "status": "ok" if ok else "unhealthy",
             "prefill": probes[:n],
             "decode": probes[n:],
-            "served_by_decode_alone": self.served_alone,
+            "served_alone": {"decode": self.served_alone["decode"],
+                             "prefill": self.served_alone["prefill"]},
         }
 
 
@@ -398,12 +338,12 @@ def create_app(
     max_connections: int | None = None,
     hand_off_token_ids: bool = True,
     first_token_from_prefill: bool = True,
-    decode_alone_when_prefill_down: bool = True,
+    serve_alone: bool = True,
 ) -> FastAPI:
     """Build the proxy app. The httpx client lives in the app's lifespan (its event loop)."""
     timeouts = timeouts or ProxyTimeouts()
     proxy = PDProxy(prefill_urls, decode_urls, timeouts, hand_off_token_ids,
-                    first_token_from_prefill, decode_alone_when_prefill_down)  # fmt: skip
+                    first_token_from_prefill, serve_alone)  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -419,31 +359,7 @@ def create_app(
 
     @app.exception_handler(ProxyError)
     async def on_proxy_error(request: Request, exc: ProxyError) -> Response:
-        request_id = getattr(request.state, "request_id", None)
-        headers = {REQUEST_ID_HEADER: request_id} if request_id else {}
-        if exc.passthrough is not None:
-            logger.warning(
-                "req=%s %s: HTTP %d %s",
-                request_id,
-                exc.message,
-                exc.status,
-                snippet(exc.passthrough),
-            )
-            return Response(
-                content=exc.passthrough.content,
-                status_code=exc.status,
-                media_type=exc.passthrough.headers.get("content-type"),
-                headers=headers,
-            )
-        logger.error("req=%s HTTP %d: %s", request_id, exc.status, exc.message)
-        error = {
-            "message": exc.message,
-            "type": exc.kind,
-            "code": exc.status,
-            "server": exc.server,
-            "request_id": request_id,
-        }
-        return JSONResponse({"error": error}, status_code=exc.status, headers=headers)
+        return error_response(request, exc)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -482,7 +398,7 @@ def serve(
     log_level: str = "info",
     hand_off_token_ids: bool = True,
     first_token_from_prefill: bool = True,
-    decode_alone_when_prefill_down: bool = True,
+    serve_alone: bool = True,
 ) -> None:
     """Run the proxy with uvicorn until interrupted."""
     import uvicorn
@@ -493,6 +409,6 @@ def serve(
         timeouts,
         hand_off_token_ids=hand_off_token_ids,
         first_token_from_prefill=first_token_from_prefill,
-        decode_alone_when_prefill_down=decode_alone_when_prefill_down,
+        serve_alone=serve_alone,
     )
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -1,5 +1,6 @@
-"""Decode's SSE stream through the proxy: opened so that a refusal keeps its status, then
-relayed as it comes, or event by event where the proxy edits a line (first_token.py)."""
+"""A backend's SSE stream through the proxy (decode's, or a server's serving alone): opened
+so that a refusal keeps its status, then relayed as it comes, or event by event where the
+proxy edits a line (first_token.py)."""
 
 from __future__ import annotations
 
@@ -26,18 +27,19 @@ async def open_stream(
     body: dict[str, Any],
     headers: dict[str, str],
     timeouts: ProxyTimeouts,
+    side: str = "decode",
 ) -> httpx.Response:
-    """Open a decode stream; a refusal raises ``ProxyError`` with decode's status."""
+    """Open ``side``'s stream; a refusal raises ``ProxyError`` with that server's status."""
     try:
         resp = await client.send(
             client.build_request("POST", url + path, json=body, headers=headers), stream=True
         )
     except httpx.HTTPError as exc:
-        raise transport_error(exc, "decode", url, timeouts) from exc
+        raise transport_error(exc, side, url, timeouts) from exc
     if resp.status_code >= 400:
         await resp.aread()
         await resp.aclose()
-        check_status(resp, "decode", url)
+        check_status(resp, side, url)
     return resp
 
 
@@ -47,8 +49,9 @@ async def relay(
     request_id: str,
     timeouts: ProxyTimeouts,
     edit: Callable[[str], str] | None = None,
+    side: str = "decode",
 ) -> AsyncIterator[bytes]:
-    """Decode's stream as it comes (decoded: content-encoding is not relayed), or event by
+    """The stream as it comes (decoded: content-encoding is not relayed), or event by
     event with each line through ``edit``; a break ends it with an error event."""
     try:
         if edit is None:
@@ -64,7 +67,7 @@ async def relay(
             if event:
                 yield "".join(event).encode()
     except httpx.HTTPError as exc:
-        err = transport_error(exc, "decode", url, timeouts)
+        err = transport_error(exc, side, url, timeouts)
         logger.error("req=%s stream broken: %s", request_id, err.message)
         yield error_event(err, request_id)
     finally:

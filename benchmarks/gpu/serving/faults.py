@@ -439,10 +439,10 @@ def run_faults(runner: Runner, out: Path) -> int:
     entry = next((r for r in _manifest(raw) if r["file"] == data["bench_file"]), {})
     end_wall = entry.get("end", time.time())
     summary = summarize(data, result, end_wall, a.probe_timeout, entry.get("output_len"))
-    proxy_log = raw / "logs" / fault.p.name / "proxy.log"  # our proxy: no prefill was up
-    summary["measured"]["decode_alone"] = (
-        proxy_log.read_text(errors="replace").count("served by decode alone")
-        if proxy_log.exists() else 0)  # fmt: skip
+    proxy_log = raw / "logs" / fault.p.name / "proxy.log"  # our proxy: one side was down
+    text = proxy_log.read_text(errors="replace") if proxy_log.exists() else ""
+    summary["measured"]["served_alone"] = {side: text.count(f"served by {side} alone")
+                                           for side in ("decode", "prefill")}  # fmt: skip
     summary["setup"] = {"deployment": fault.p.name, "front": fault.p.router,
                         "victim": a.fault_victim, "action": a.fault_action,
                         "point": a.fault_point, "kill_after_s": a.kill_after,

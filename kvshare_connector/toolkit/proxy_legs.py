@@ -1,0 +1,171 @@
+"""How one leg of a PD request reaches one backend: the servers of each side, failover
+between them, a plain or streamed answer, and a side that is down.
+
+``Legs`` is the proxy's HTTP plumbing; ``proxy.PDProxy`` builds on it the PD flow (which legs,
+with which bodies). No vLLM here: plain httpx.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import httpx
+from fastapi.responses import Response, StreamingResponse
+
+from kvshare_connector.toolkit.proxy_backends import (
+    ProxyError,
+    ProxyTimeouts,
+    RoundRobin,
+    check_status,
+    transport_error,
+)
+from kvshare_connector.toolkit.proxy_streams import open_stream, relay
+
+logger = logging.getLogger("kvshare_connector.toolkit.proxy")
+
+REQUEST_ID_HEADER = "X-Request-Id"
+T = TypeVar("T")
+#: How a leg failed when every server of its side was tried: none is serving (refused the
+#: connection, or closed it unanswered after the resend). Not a timeout: a slow server
+#: still computes the request; not an answer (an error, a client error): it must be seen.
+SIDE_DOWN = ("backend_unreachable", "backend_dropped")
+
+
+def without_kv_params(body: dict[str, Any]) -> dict[str, Any]:
+    """A leg's body as a plain request: one server computes it whole, as colocated."""
+    return {k: v for k, v in body.items() if k != "kv_transfer_params"}
+
+
+class Legs:
+    """The backends of each side, and legs sent to them."""
+
+    def __init__(
+        self,
+        prefill_urls: Sequence[str],
+        decode_urls: Sequence[str],
+        timeouts: ProxyTimeouts,
+        serve_alone: bool = True,
+    ) -> None:
+        self.prefill = RoundRobin(prefill_urls)
+        self.decode = RoundRobin(decode_urls)
+        self.timeouts = timeouts
+        self.serve_alone = serve_alone  # a side down: the other computes requests alone
+        self.served_alone: Counter[str] = Counter()  # by the side that served them
+        self.client: httpx.AsyncClient | None = None
+
+    def _client(self) -> httpx.AsyncClient:
+        if self.client is None:
+            raise RuntimeError("proxy HTTP client not started (app lifespan not running)")
+        return self.client
+
+    def pool(self, side: str) -> RoundRobin:
+        return self.prefill if side == "prefill" else self.decode
+
+    async def _failover(
+        self,
+        pool: RoundRobin,
+        request_id: str,
+        leg: Callable[[str], Awaitable[T]],
+        first: str | None = None,
+        resend_dropped: bool = False,
+    ) -> tuple[T, str]:
+        """``leg(url)`` on ``first`` or the next backend of ``pool``; a backend that refused
+        the connection (the request never reached it) is passed over for a while and the
+        leg goes to the next one, until each was tried once.
+
+        With ``resend_dropped`` (the prefill leg) a connection closed without an answer (a
+        prefill that died under the request, a reused connection it had closed) is sent
+        once more, to the next backend (the same one when it is alone): a prefill answer
+        nobody received only holds blocks until its lease ends. A decode leg is never sent
+        twice: the first decode may have read the KV, which prefill then freed."""
+        tried: list[str] = []
+        resent = False
+        while True:
+            url = first if first is not None and not tried else pool.pick(tried)
+            try:
+                return await leg(url), url
+            except ProxyError as exc:
+                tried.append(url)
+                if exc.kind == "backend_unreachable" and len(tried) < len(pool.urls):
+                    pool.mark_down(url)
+                elif exc.kind == "backend_dropped" and resend_dropped and not resent:
+                    resent = True
+                else:
+                    raise
+                logger.warning("req=%s %s; trying another", request_id, exc.message)
+
+    async def _post(
+        self, side: str, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> httpx.Response:
+        try:
+            resp = await self._client().post(url + path, json=body, headers=headers)
+        except httpx.HTTPError as exc:
+            raise transport_error(exc, side, url, self.timeouts) from exc
+        check_status(resp, side, url)
+        return resp
+
+    async def run_leg(
+        self, side: str, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> Response:
+        """An unstreamed leg whose answer goes to the client as it is."""
+        resp = await self._post(side, url, path, body, headers)
+        return Response(
+            content=resp.content,
+            status_code=resp.status_code,
+            media_type=resp.headers.get("content-type", "application/json"),
+        )
+
+    def opener(
+        self, side: str, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> Callable[[str], Awaitable[httpx.Response]]:
+        """A leg that opens ``side``'s stream at a URL (for ``_failover``)."""
+
+        def open_at(url: str) -> Awaitable[httpx.Response]:
+            return open_stream(self._client(), url, path, body, headers, self.timeouts, side)
+
+        return open_at
+
+    async def stream_leg(
+        self, side: str, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> Response:
+        """Open the stream first, so a refused request still gets a proper status."""
+        request_id = headers[REQUEST_ID_HEADER]
+        resp = await self.opener(side, path, body, headers)(url)
+        return StreamingResponse(
+            relay(resp, url, request_id, self.timeouts, side=side),
+            status_code=resp.status_code,
+            media_type=resp.headers.get("content-type", "text/event-stream"),
+            headers={REQUEST_ID_HEADER: request_id},
+        )
+
+    def may_serve_alone(self, exc: ProxyError) -> bool:
+        return self.serve_alone and exc.kind in SIDE_DOWN
+
+    def count_alone(self, side: str, request_id: str, cause: ProxyError) -> None:
+        self.served_alone[side] += 1
+        logger.warning("req=%s: %s; %s computes the request alone", request_id, cause.message,
+                       side)  # fmt: skip
+
+    async def alone(
+        self, side: str, path: str, body: dict[str, Any], headers: dict[str, str],
+        cause: ProxyError,
+    ) -> Response:  # fmt: skip
+        """Every server of the other side is down (``SIDE_DOWN``): a ``side`` server computes
+        the whole request as a colocated engine would, so the client gets its answer,
+        later, instead of the other side's error; that server's batch pays the compute."""
+        request_id = headers[REQUEST_ID_HEADER]
+        self.count_alone(side, request_id, cause)
+        plain = without_kv_params(body)
+
+        def leg(url: str) -> Awaitable[Response]:
+            if plain.get("stream"):
+                return self.stream_leg(side, url, path, plain, headers)
+            return self.run_leg(side, url, path, plain, headers)
+
+        response, url = await self._failover(self.pool(side), request_id, leg)
+        logger.info("req=%s %s %s=%s: served by %s alone", request_id, path, side, url, side)
+        response.headers[REQUEST_ID_HEADER] = request_id
+        return response

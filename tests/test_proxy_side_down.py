@@ -1,0 +1,191 @@
+"""Every server of one side down: the proxy has a server of the other side compute the
+request alone (the default, ``--side-down alone``), against real HTTP fake vLLM servers on
+127.0.0.1.
+
+On 2026-12-05 (one H100, the fault matrix) the only prefill or decode was down ~33 s after
+its kill, and 67-75 of 80 requests failed 502/503 while the other side stood idle.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from typing import Any
+
+import httpx
+import pytest
+
+from kvshare_connector.toolkit.procs import pick_free_port
+from kvshare_connector.toolkit.proxy import create_app
+
+from .support.fake_vllm_server import ThreadServer, fake_server
+from .support.pd_stack import FAST, QUESTION, sse_events
+from .test_proxy import dropping_server
+
+
+def _ask(url: str, stream: bool, **extra: Any) -> httpx.Response:
+    body = {"model": "fake-model", "prompt": QUESTION, "max_tokens": 12, "temperature": 0,
+            "stream": stream, **extra}  # fmt: skip
+    return httpx.post(url + "/v1/completions", json=body, timeout=10)
+
+
+def _text(resp: httpx.Response, stream: bool) -> str:
+    if not stream:
+        return resp.json()["choices"][0]["text"]
+    return "".join(e["choices"][0]["text"] for e in sse_events(resp.text) if e.get("choices"))
+
+
+def _plain(server: Any) -> list[dict[str, Any]]:
+    """The requests a fake got without kv_transfer_params (computed whole)."""
+    return [r["body"] for r in server.state.requests if "kv_transfer_params" not in r["body"]]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_dead_prefill_leaves_decode_to_serve_the_request_alone(
+    stream: bool, monkeypatch: Any, caplog: Any
+) -> None:
+    """A prefill that refuses connections (a killed engine): decode gets the client's own
+    request, without kv_transfer_params, and answers what a colocated engine answers; the
+    proxy's health report counts it and its log names the dead prefill."""
+    monkeypatch.setenv("FAKE_DECODE_LOCAL", "1")  # the fake decode computes a plain request
+    dead = f"http://127.0.0.1:{pick_free_port()}"
+    with ExitStack() as stack:
+        dec = stack.enter_context(fake_server("decode"))
+        colo = stack.enter_context(fake_server("colocated"))
+        px = stack.enter_context(ThreadServer(create_app([dead], [dec.url], FAST)))
+        stack.enter_context(caplog.at_level("WARNING"))
+        resp = _ask(px.url, stream)
+        base = _ask(colo.url, stream)
+        health = httpx.get(px.url + "/health", timeout=10).json()
+    assert resp.status_code == 200, resp.text
+    assert _text(resp, stream) == _text(base, stream) and _text(base, stream)
+    (seen,) = _plain(dec)
+    assert seen["prompt"] == QUESTION and len(dec.state.requests) == 1
+    assert dec.state.hits["loads"] == 0
+    assert health["served_alone"] == {"decode": 1, "prefill": 0}
+    assert health["status"] == "unhealthy"
+    warned = [r.getMessage() for r in caplog.records if "computes the request alone" in
+              r.getMessage()]  # fmt: skip
+    assert len(warned) == 1 and dead in warned[0] and "decode computes" in warned[0]
+
+
+def test_a_prefill_that_drops_every_request_leaves_decode_to_serve_it(monkeypatch: Any) -> None:
+    """A lone prefill that closes each connection unanswered is asked twice (the resend),
+    then decode serves the request alone, under the client's id (another engine)."""
+    monkeypatch.setenv("FAKE_DECODE_LOCAL", "1")
+    with ExitStack() as stack:
+        dropper, seen = stack.enter_context(dropping_server())
+        dec = stack.enter_context(fake_server("decode"))
+        px = stack.enter_context(ThreadServer(create_app([dropper], [dec.url], FAST)))
+        resp = _ask(px.url, stream=False)
+    assert resp.status_code == 200 and len(seen) == 2
+    assert resp.headers["x-request-id"] == seen[0]
+    assert dec.state.hits["completions"] == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_dead_decode_leaves_prefill_to_serve_the_request_alone(
+    stream: bool, monkeypatch: Any
+) -> None:
+    """Classic legs (no first-token hand-off): prefill answered the prefill leg, then every
+    decode refused the decode leg. Nothing reached the client yet, so a prefill server
+    computes the client's request whole, under an id of its own (prefill still holds the
+    first leg's KV under the other until its lease ends)."""
+    monkeypatch.setenv("FAKE_PREFILL_LOCAL", "1")  # the fake prefill computes a plain request
+    dead = f"http://127.0.0.1:{pick_free_port()}"
+    with ExitStack() as stack:
+        pre = stack.enter_context(fake_server("prefill"))
+        colo = stack.enter_context(fake_server("colocated"))
+        app = create_app([pre.url], [dead], FAST, first_token_from_prefill=False)
+        px = stack.enter_context(ThreadServer(app))
+        resp = _ask(px.url, stream)
+        base = _ask(colo.url, stream)
+        health = httpx.get(px.url + "/health", timeout=10).json()
+    assert resp.status_code == 200, resp.text
+    assert _text(resp, stream) == _text(base, stream)
+    (seen,) = _plain(pre)
+    assert seen["prompt"] == QUESTION and seen["max_tokens"] == 12
+    ids = [r["request_id"] for r in pre.state.requests]
+    assert len(ids) == 2 and ids[1].startswith(f"{ids[0]}-")
+    assert resp.headers["x-request-id"] == ids[1]
+    assert health["served_alone"] == {"decode": 0, "prefill": 1}
+
+
+def test_after_prefills_first_token_a_dead_decode_leaves_prefill_to_finish_the_stream(
+    monkeypatch: Any,
+) -> None:
+    """The stream opened with prefill's first token; every decode refused the rest: prefill
+    computes it from the prompt's ids and that token, and the client's stream (text and
+    usage) is colocated's, with no error event in it."""
+    monkeypatch.setenv("FAKE_PREFILL_LOCAL", "1")
+    dead = f"http://127.0.0.1:{pick_free_port()}"
+    usage = {"stream_options": {"include_usage": True}}
+    with ExitStack() as stack:
+        pre = stack.enter_context(fake_server("prefill", kvshare_params=True))
+        colo = stack.enter_context(fake_server("colocated"))
+        px = stack.enter_context(ThreadServer(create_app([pre.url], [dead], FAST)))
+        resp = _ask(px.url, True, **usage)
+        base = _ask(colo.url, True, **usage)
+    assert resp.status_code == 200
+    events = sse_events(resp.text)
+    assert not [e for e in events if "error" in e], resp.text
+    assert _text(resp, True) == _text(base, True)
+    assert events[-1]["usage"] == sse_events(base.text)[-1]["usage"]
+    (seen,) = _plain(pre)
+    assert isinstance(seen["prompt"], list) and seen["max_tokens"] == 11  # one token given
+
+
+@pytest.mark.parametrize("fail_mode, status", [("error500", 502), ("error400", 400),
+                                               ("no_kv", 502)])  # fmt: skip
+def test_a_prefill_that_answers_badly_is_not_served_around(
+    fail_mode: str, status: int, monkeypatch: Any
+) -> None:
+    """The control: a prefill that answered (an error, a client error, an answer without
+    kv_transfer_params: a server that is up but wrong) is the client's error to see, named;
+    decode never gets the request."""
+    monkeypatch.setenv("FAKE_DECODE_LOCAL", "1")
+    with ExitStack() as stack:
+        pre = stack.enter_context(fake_server("prefill", fail_mode=fail_mode))
+        dec = stack.enter_context(fake_server("decode"))
+        px = stack.enter_context(ThreadServer(create_app([pre.url], [dec.url], FAST)))
+        resp = _ask(px.url, stream=False)
+        health = httpx.get(px.url + "/health", timeout=10).json()
+    assert resp.status_code == status
+    assert dec.state.hits["completions"] == 0
+    assert health["served_alone"] == {"decode": 0, "prefill": 0}
+
+
+def test_a_decode_that_answers_badly_is_not_served_around(monkeypatch: Any) -> None:
+    """The control on decode's side: a decode that answered 500 may have run the request;
+    the client gets the 502 and prefill computes nothing more."""
+    monkeypatch.setenv("FAKE_PREFILL_LOCAL", "1")
+    with ExitStack() as stack:
+        pre = stack.enter_context(fake_server("prefill"))
+        bad = stack.enter_context(fake_server("decode", fail_mode="error500"))
+        app = create_app([pre.url], [bad.url], FAST, first_token_from_prefill=False)
+        px = stack.enter_context(ThreadServer(app))
+        resp = _ask(px.url, stream=False)
+    assert resp.status_code == 502 and json.loads(resp.text)["error"]["server"] == bad.url
+    assert not _plain(pre) and len(pre.state.requests) == 1
+
+
+@pytest.mark.parametrize("argv, expected", [([], "alone"), (["--side-down", "fail"], "fail")])
+def test_serve_pd_hands_the_choice_to_its_proxy(argv: list[str], expected: str) -> None:
+    """``kvshare serve-pd --side-down`` reaches the proxy it starts; a value that is
+    neither is refused by the CLI and by ServeConfig."""
+    from kvshare_connector.toolkit.cli import build_parser, serve_config_from_args
+    from kvshare_connector.toolkit.launcher import ServeConfig, plan_pd, proxy_argv
+
+    args = build_parser().parse_args(["serve-pd", "m", *argv])
+    args.passthrough = []  # what `kvshare` (cli.main) sets: arguments after `--`
+    cfg = serve_config_from_args(args)
+    line = proxy_argv(cfg, plan_pd(cfg))
+    assert line[line.index("--side-down") + 1] == expected
+    proxy_args = build_parser().parse_args(["proxy", "--prefill", "http://a:1", "--decode",
+                                            "http://b:2", *argv])  # fmt: skip
+    assert proxy_args.side_down == expected
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["proxy", "--prefill", "http://a:1", "--decode", "http://b:2",
+                                   "--side-down", "retry"])  # fmt: skip
+    with pytest.raises(ValueError, match="side_down"):
+        ServeConfig(model="m", side_down="retry")
