@@ -137,8 +137,13 @@ def _failed(summary: dict[str, Any]) -> list[str]:
 
 
 @pytest.mark.slow
-def test_fault_mode_kills_and_restarts_prefill(tmp_path: Path, monkeypatch: Any) -> None:
-    rc, summary, out = _faults(tmp_path, monkeypatch)
+@pytest.mark.parametrize("side_down", ["alone", "fail"])
+def test_fault_mode_kills_and_restarts_prefill(tmp_path: Path, monkeypatch: Any,
+                                               side_down: str) -> None:  # fmt: skip
+    """Prefill killed under load and restarted. While it is down our proxy has decode serve
+    requests alone (``--side-down alone``, the default); with ``fail`` (the control) they
+    fail 503."""
+    rc, summary, out = _faults(tmp_path, monkeypatch, "--side-down", side_down)
     assert rc == 0, summary["verdicts"]
     order = ["checks before the load", "load start", "fault", "victim restarted",
              "victim rejoined", "checks after recovery", "kv usage zero on every engine"]
@@ -156,8 +161,14 @@ def test_fault_mode_kills_and_restarts_prefill(tmp_path: Path, monkeypatch: Any)
     assert v["victim_rejoined"]["checks_after"] == "8/8"
     assert v["connector_series_live"]["decode"]["read_seconds_count"] > 0
     assert v["no_wrong_kv"]["verified_loads"] > 0
-    # The outage shows: requests failed (503 from the proxy) while prefill was down.
-    assert summary["bench"]["failed"] > 0 and any("503" in e for e in summary["bench_errors"])
+    alone = summary["measured"]["served_alone"]
+    if side_down == "alone":  # the outage served around: nothing failed, decode took it
+        assert summary["bench"]["failed"] == 0, summary["bench_errors"]
+        assert alone["decode"] > 0 and alone["prefill"] == 0
+    else:  # the outage shows: requests failed (503 from the proxy) while prefill was down
+        assert summary["bench"]["failed"] > 0
+        assert any("503" in e for e in summary["bench_errors"])
+        assert alone == {"decode": 0, "prefill": 0}
     assert summary["measured"]["fault_to_first_good_s"] > 0
     # Probes go on after the victim is back until one is good: recovery is measured.
     recovery = summary["measured"]["healthy_to_first_good_s"]
@@ -172,7 +183,7 @@ def test_fault_mode_kills_and_restarts_prefill(tmp_path: Path, monkeypatch: Any)
 def test_fault_2p1d_the_proxy_sends_legs_to_the_prefill_left(tmp_path: Path, monkeypatch: Any):
     """The fault matrix's 2p1d variant: one of two prefills killed under load; our proxy
     passes it over, so requests after the fault go through the other (in the 1P1D run
-    above they fail 503 until the restart)."""
+    above decode serves them alone until the restart)."""
     rc, summary, _ = _faults(tmp_path, monkeypatch, "--num-prefill", "2")
     assert rc == 0, summary["verdicts"]
     assert summary["fault"]["engine"] == "prefill0"

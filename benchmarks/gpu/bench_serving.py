@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--first-token-from-decode", nargs="+", default=[], metavar="NAME",
         help="deployments whose proxy has decode sample the first token again (vLLM's toy "
         "proxy's way; default: our proxy streams prefill's, toolkit/first_token.py)")  # fmt: skip
+    add("--side-down", choices=["alone", "fail"], default="alone",
+        help="our proxy when every server of one side is down: the other side computes the "
+        "request alone (default), or the client gets the 503/502 (proxy --side-down)")
     add("--extra-config", action="append", help="JSON merged into our "
         "kv_connector_extra_config; given again, merged in order (later keys win)")
     add("--engine-env", nargs="+", metavar="KEY=VALUE", help="env of every engine, e.g. "

@@ -215,6 +215,7 @@ def plan(args: argparse.Namespace, model_dir: Path, tokenizer: Path, raw: Path) 
             router=args.router if kind != "colocated" else "kvshare",
             router_policy=args.router_policy, router_metrics_port=base + PORT_STRIDE - 1,
             first_token="decode" if {name, kind} & set(from_decode) else "prefill",
+            side_down=getattr(args, "side_down", "alone"),
         )  # fmt: skip
         read_logs = (
             [f"reads/{name}-decode{k}.jsonl" for k in range(args.num_decode)]
