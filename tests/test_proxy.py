@@ -211,19 +211,32 @@ def test_round_robin_over_two_prefill_and_two_decode_servers() -> None:
         assert all(p.state.issued == {} for p in prefills)
 
 
-def test_health_reports_each_backend() -> None:
+def test_health_reports_each_backend_and_whether_the_proxy_can_serve() -> None:
+    """200 while requests can be served (a load balancer keeps the proxy): "ok" with every
+    backend up, "degraded" with one down but another of its side up, or with a whole side
+    down while the other serves alone; 503 "unhealthy" when nothing can serve, or a side is
+    down with ``--side-down fail``."""
     dead = f"http://127.0.0.1:{pick_free_port()}"
     with fake_server("prefill") as pre, fake_server("decode") as dec:
-        with ThreadServer(create_app([pre.url], [dec.url], FAST)) as proxy:
-            ok = httpx.get(proxy.url + "/health", timeout=5)
-        with ThreadServer(create_app([pre.url, dead], [dec.url], FAST)) as proxy:
-            bad = httpx.get(proxy.url + "/health", timeout=5)
+        def health(prefills: list[str], decodes: list[str], alone: bool = True) -> Any:
+            app = create_app(prefills, decodes, FAST, serve_alone=alone)
+            with ThreadServer(app) as proxy:
+                return httpx.get(proxy.url + "/health", timeout=5)
+
+        ok = health([pre.url], [dec.url])
+        spare = health([pre.url, dead], [dec.url])
+        alone = health([dead], [dec.url])
+        failing = health([dead], [dec.url], alone=False)
+    none = health([dead], [dead])
     assert ok.status_code == 200 and ok.json()["status"] == "ok"
-    assert bad.status_code == 503
-    report = bad.json()
+    assert spare.status_code == 200 and spare.json()["status"] == "degraded"
+    report = spare.json()
     assert [p["ok"] for p in report["prefill"]] == [True, False]
     assert report["prefill"][1]["url"] == dead
     assert report["decode"] == [{"url": dec.url, "ok": True, "status": 200}]
+    assert alone.status_code == 200 and alone.json()["status"] == "degraded"
+    assert failing.status_code == 503 and failing.json()["status"] == "unhealthy"
+    assert none.status_code == 503 and none.json()["status"] == "unhealthy"
 
 
 def test_models_passthrough() -> None:

@@ -317,12 +317,18 @@ class PDProxy(Legs):
         return {"url": url, "ok": resp.status_code == 200, "status": resp.status_code}
 
     async def health(self) -> tuple[bool, dict[str, Any]]:
+        """Whether the proxy can serve (a load balancer's question), and every backend's
+        answer: "ok" all up; "degraded" some down, requests still served (another server
+        of the side, or the other side alone); "unhealthy" no request can be served."""
         urls = self.prefill.urls + self.decode.urls
         probes = await asyncio.gather(*(self.probe(u) for u in urls))
         n = len(self.prefill.urls)
-        ok = all(p["ok"] for p in probes)
-        return ok, {
-            "status": "ok" if ok else "unhealthy",
+        up = {side: any(p["ok"] for p in part)
+              for side, part in (("prefill", probes[:n]), ("decode", probes[n:]))}  # fmt: skip
+        serving = all(up.values()) or (self.serve_alone and any(up.values()))
+        every = all(p["ok"] for p in probes)
+        return serving, {
+            "status": "ok" if every else "degraded" if serving else "unhealthy",
             "prefill": probes[:n],
             "decode": probes[n:],
             "served_alone": {"decode": self.served_alone["decode"],
