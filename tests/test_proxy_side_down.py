@@ -112,7 +112,7 @@ def test_a_dead_decode_leaves_prefill_to_serve_the_request_alone(
 
 
 def test_after_prefills_first_token_a_dead_decode_leaves_prefill_to_finish_the_stream(
-    monkeypatch: Any,
+    monkeypatch: Any, caplog: Any
 ) -> None:
     """The stream opened with prefill's first token; every decode refused the rest: prefill
     computes it from the prompt's ids and that token, and the client's stream (text and
@@ -124,8 +124,12 @@ def test_after_prefills_first_token_a_dead_decode_leaves_prefill_to_finish_the_s
         pre = stack.enter_context(fake_server("prefill", kvshare_params=True))
         colo = stack.enter_context(fake_server("colocated"))
         px = stack.enter_context(ThreadServer(create_app([pre.url], [dead], FAST)))
+        stack.enter_context(caplog.at_level("INFO"))
         resp = _ask(px.url, True, **usage)
         base = _ask(colo.url, True, **usage)
+        health = httpx.get(px.url + "/health", timeout=10).json()
+    assert health["served_alone"] == {"decode": 0, "prefill": 1}
+    assert any("served by prefill alone" in r.getMessage() for r in caplog.records)
     assert resp.status_code == 200
     events = sse_events(resp.text)
     assert not [e for e in events if "error" in e], resp.text

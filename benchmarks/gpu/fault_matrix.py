@@ -303,8 +303,6 @@ def add_throughput(cases: list[Case], rows: list[dict[str, Any]]) -> None:
         )
 
 
-
-
 def _leaked(usage: dict[str, float | None]) -> str:
     return ", ".join(f"{k} {'?' if u is None else f'{100 * u:.1f}%'}" for k, u in usage.items())
 
@@ -386,12 +384,12 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def write_table(out: Path, cases: list[Case], codes: dict[str, int | None],
                 skipped: dict[str, str] | None = None) -> list[dict]:  # fmt: skip
-    rows = []
+    rows, skipped = [], skipped or {}
     for case in cases:
         path = out / case.name / "faults.json"
         summary = json.loads(path.read_text()) if path.exists() else None
-        if case.name in (skipped or {}):
-            summary = {"error": skipped[case.name]}  # type: ignore[index]
+        if case.name in skipped:
+            summary = {"error": skipped[case.name]}
         rows.append(row(case, summary, codes.get(case.name)))
     add_throughput(cases, rows)
     errors = [f"- {r['case']}: {r['errors']}" for r in rows if r.get("errors")]

@@ -185,6 +185,8 @@ class PDProxy(Legs):
                     alone = {**headers, REQUEST_ID_HEADER: make_request_id(request_id)}
                     resp, url = await self._failover(self.prefill, request_id, self.opener(
                         side, path, without_kv_params(decode_body), alone))  # fmt: skip
+                    logger.info("req=%s %s prefill=%s: served by prefill alone after the "
+                                "first token", request_id, path, url)  # fmt: skip
             except ProxyError as exc:
                 logger.error("req=%s decode leg after the first token: %s", request_id,
                              exc.message)  # fmt: skip
