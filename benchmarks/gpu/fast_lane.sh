@@ -29,7 +29,8 @@
 #            4096, 16384, 32768): ours packed, ours block by block, NixlConnector and
 #            colocated, all up at once, concurrency CURVE_CONC (default 1 16 64),
 #            CURVE_ROUNDS rotated rounds (default 3; what the time budget reaches); CURVE_KV_GIB
-#            per engine (default 4: 7 engines share the GPU); 2 prompts per concurrency slot
+#            per engine (default 4: 7 engines share an H200; an H100 holds 7 with 1 GiB each,
+#            not with 2: 2026-12-05); 2 prompts per concurrency slot
 #            up to 4k, 1 beyond; the untimed shape wave's prompts capped at 4k. What fits one
 #            call (2026-12-04, ~115 s to start): 16k with CURVE_CONC="1 16", 16k x 64 with
 #            CURVE_ROUNDS=2, 32k with CURVE_CONC="1 16"; a 32k x 64 run (2M prompt tokens)
