@@ -282,6 +282,12 @@ def test_read_timeline_splits_the_claim_into_prefills_share_and_the_rest():
     old = [{k: v for k, v in r.items() if k not in ("prefill_answer_s", "claims")}
            for r in records]  # a read log from before: no such rows  # fmt: skip
     assert "prefill answering the claim" not in dict(read_timeline.rows(old))
+    records[0]["landing_host"] = {"release": 0.0001, "scatter": 0.0004, "digests": 0.001}
+    records[1]["landing_host"] = {"digests": 0.002}  # an unpacked verified read
+    rows = dict(read_timeline.rows(records))
+    assert rows["landing on the host: scatter"] == pytest.approx([0.4])
+    assert rows["landing on the host: digests"] == pytest.approx([1.0, 2.0])
+    assert "landing on the host: release" not in dict(read_timeline.rows(old))
 
 
 def test_curve_table_joins_the_runs_of_each_prompt_length(tmp_path):

@@ -154,6 +154,7 @@ def test_the_reads_of_one_step_are_all_posted_before_any_is_watched(peer, decode
         marks = [(p, record.timeline[p]) for p in PHASES if p in record.timeline]
         assert {"posted", "arrived", "launched", "landed"} <= {p for p, _ in marks}, marks
         assert [t for _, t in marks] == sorted(t for _, t in marks), marks
+        assert record.landing_host == {}  # unpacked, unverified: nothing to launch
     for rid, (request, local_ids) in reads.items():
         assert kvcheck.mismatches(decoder.stack.kv_caches, decoder.topology, local_ids,
                                   seed=request["seed"]) == [], rid  # fmt: skip

@@ -132,7 +132,12 @@ def test_verified_packed_read_between_layouts(peer, decodes):
     assert result.done, result.failure
     assert result.packed
     assert result.mismatches == []
-    assert record_of(decode.sink, "v-packed").verified == layer_blocks(decode.topology, local_ids)
+    record = record_of(decode.sink, "v-packed")
+    assert record.verified == layer_blocks(decode.topology, local_ids)
+    # The landing's host parts are in the record (the read log), inside arrived -> launched.
+    assert set(record.landing_host) == {"release", "scatter", "digests"}, record.landing_host
+    launch = record.timeline["launched"] - record.timeline["arrived"]
+    assert 0 < sum(record.landing_host.values()) <= launch + 1e-3, (record.landing_host, launch)
 
 
 def test_kv_changed_after_prefill_digested_it_fails_the_load(peer, decodes):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a load's time went, from decode read logs (``read_log``): per phase of the read's
-timeline (``transfer/records.py``), and per step between phases, the p50 / p90 / p99 / max
-in milliseconds, as a markdown table.
+timeline (``transfer/records.py``), per step between phases, and the landing's host parts,
+the p50 / p90 / p99 / max in milliseconds, as a markdown table.
 
     python -m benchmarks.gpu.read_timeline RAW/reads/ours-decode0.jsonl [...]
 """
@@ -43,6 +43,10 @@ def rows(records: list[dict]) -> list[tuple[str, list[float]]]:
     out.append(("prefill answering the claim", answer))
     if answer:
         out.append(("claims per read (count, not ms)", [float(r.get("claims", 1)) for r in moved]))
+    for part in ("release", "scatter", "digests"):  # arrived -> launched, on decode's host
+        out.append((f"landing on the host: {part}", [
+            r["landing_host"][part] * 1e3 for r in moved if part in (r.get("landing_host") or {})
+        ]))  # fmt: skip
     return [(label, values) for label, values in out if values]
 
 

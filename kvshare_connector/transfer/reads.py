@@ -107,6 +107,7 @@ class Read:
     landing: Landing | None = None
     verified: int = 0
     marks: dict[str, float] = field(default_factory=dict)  # phase -> s since created
+    landing_host: dict[str, float] = field(default_factory=dict)  # TransferRecord's
 
     @property
     def request_id(self) -> str:
@@ -118,6 +119,13 @@ class Read:
 
     def mark(self, phase: str) -> None:
         self.marks[phase] = round(time.monotonic() - self.created, 6)
+
+    def lap(self, part: str, since: float) -> float:
+        """Note the host seconds ``part`` of the landing took since ``since`` (a
+        ``perf_counter`` reading); the clock now."""
+        now = time.perf_counter()
+        self.landing_host[part] = round(now - since, 6)
+        return now
 
 
 def claim_batches(reads: list[Read]) -> list[list[Read]]:

@@ -36,6 +36,9 @@ class TransferRecord:
     # prefill's own share of the claim: from its arrival to the answer (None: unknown)
     prefill_answer_s: float | None = None
     claims: int = 1  # claims sent before prefill held the request for this reader
+    # decode's host seconds of the landing (arrived -> launched), by part: "release" (NIXL's
+    # handle), "scatter" (its plan, upload and launch), "digests" (the same for verify_kv)
+    landing_host: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -339,15 +339,19 @@ class KVSink:
         t, plan = read.transfer, read.plan
         assert t is not None and plan is not None
         scatter = None
+        clock = time.perf_counter()
         if t.packed is not None and t.slot is not None and self.packer:
             self.transport.release(t.handle)
             t.handle = None
+            clock = read.lap("release", clock)
             failpoint("sink.before_scatter")
             s = t.packed.scatter
             scatter = self.packer.scatter(s[:, 0], s[:, 2], t.slot + s[:, 1])
+            clock = read.lap("scatter", clock)
         digests = None
         if self.digester is not None and plan.verify:
             digests = self.digester.start(self.topology, plan.local_ids, after=scatter)
+            read.lap("digests", clock)
         read.landing = Landing(scatter, digests)
         read.phase = Phase.LAND
         read.mark("launched")
@@ -397,6 +401,7 @@ class KVSink:
                 dict(read.marks),
                 grant.answer_s,
                 read.claims,
+                dict(read.landing_host),
             )
         )
 
