@@ -111,6 +111,23 @@ def test_a_dead_decode_leaves_prefill_to_serve_the_request_alone(
     assert health["served_alone"] == {"decode": 0, "prefill": 1}
 
 
+def test_a_decode_that_drops_its_leg_leaves_prefill_not_a_second_decode(monkeypatch: Any) -> None:
+    """A decode that closed the decode leg unanswered may have read the KV (prefill frees it
+    after one read): the leg never goes to the other decode; prefill computes the request."""
+    monkeypatch.setenv("FAKE_PREFILL_LOCAL", "1")
+    with ExitStack() as stack:
+        dropper, seen = stack.enter_context(dropping_server())
+        pre = stack.enter_context(fake_server("prefill"))
+        good = stack.enter_context(fake_server("decode"))
+        app = create_app([pre.url], [dropper, good.url], FAST, first_token_from_prefill=False)
+        px = stack.enter_context(ThreadServer(app))
+        resp = _ask(px.url, stream=False)
+    assert resp.status_code == 200, resp.text
+    assert len(seen) == 1 and good.state.hits["completions"] == 0
+    (plain,) = _plain(pre)
+    assert plain["prompt"] == QUESTION
+
+
 def test_after_prefills_first_token_a_dead_decode_leaves_prefill_to_finish_the_stream(
     monkeypatch: Any, caplog: Any
 ) -> None:
