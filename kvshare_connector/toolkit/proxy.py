@@ -57,7 +57,7 @@ from kvshare_connector.toolkit.proxy_backends import (
     snippet,
     transport_error,
 )
-from kvshare_connector.toolkit.proxy_legs import REQUEST_ID_HEADER, Legs, without_kv_params
+from kvshare_connector.toolkit.proxy_legs import REQUEST_ID_HEADER, Legs
 from kvshare_connector.toolkit.proxy_streams import relay
 
 logger = logging.getLogger(__name__)
@@ -172,21 +172,7 @@ class PDProxy(Legs):
                             first.finish_reason)  # fmt: skip
                 return
             try:
-                try:
-                    side = "decode"
-                    resp, url = await self._failover(
-                        self.decode, request_id, self.opener(side, path, decode_body, headers),
-                        decode_url)  # fmt: skip
-                except ProxyError as exc:
-                    if not self.may_serve_alone(exc):
-                        raise
-                    side = "prefill"  # the rest, prompt and first token as ids, computed
-                    self.count_alone(side, request_id, exc)  # there from the start
-                    alone = {**headers, REQUEST_ID_HEADER: make_request_id(request_id)}
-                    resp, url = await self._failover(self.prefill, request_id, self.opener(
-                        side, path, without_kv_params(decode_body), alone))  # fmt: skip
-                    logger.info("req=%s %s prefill=%s: served by prefill alone after the "
-                                "first token", request_id, path, url)  # fmt: skip
+                resp, url, side = await self._open_rest(path, decode_body, headers, decode_url)
             except ProxyError as exc:
                 logger.error("req=%s decode leg after the first token: %s", request_id,
                              exc.message)  # fmt: skip
@@ -199,6 +185,24 @@ class PDProxy(Legs):
         return StreamingResponse(
             events(), media_type="text/event-stream", headers={REQUEST_ID_HEADER: request_id}
         )
+
+    async def _open_rest(
+        self, path: str, decode_body: dict[str, Any], headers: dict[str, str], decode_url: str
+    ) -> tuple[httpx.Response, str, str]:
+        """The rest of a stream opened with prefill's first token: decode's stream; with every
+        decode down, a prefill server's, computing the prompt and that token whole. The
+        stream, its server's URL and side."""
+        request_id = headers[REQUEST_ID_HEADER]
+        opener = self.opener("decode", path, decode_body, headers)
+        try:
+            resp, url = await self._failover(self.decode, request_id, opener, decode_url)
+            return resp, url, "decode"
+        except ProxyError as exc:
+            if not self.may_serve_alone(exc):
+                raise
+            cause = exc
+        resp, url = await self.open_alone("prefill", path, decode_body, headers, cause)
+        return resp, url, "prefill"
 
     async def handle(self, request: Request, path: str) -> Response:
         body, headers = await accept(request, path)
@@ -257,9 +261,8 @@ class PDProxy(Legs):
                 self.decode, request_id, decode_leg, first=decode_url
             )
         except ProxyError as exc:  # before the client got anything: the whole request
-            if not self.may_serve_alone(exc):  # on prefill, under an id of its own
+            if not self.may_serve_alone(exc):  # on prefill
                 raise
-            headers[REQUEST_ID_HEADER] = make_request_id(request_id)
             return await self.alone("prefill", path, body, headers, exc)
         logger.info(
             "req=%s %s prefill=%s decode=%s stream=%s: prefill %.1f ms, decode %s %.1f ms%s",

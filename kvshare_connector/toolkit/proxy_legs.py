@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
+from kvshare_connector.toolkit.pd_legs import make_request_id
 from kvshare_connector.toolkit.proxy_backends import (
     ProxyError,
     ProxyTimeouts,
@@ -149,6 +150,15 @@ class Legs:
         logger.warning("req=%s: %s; %s computes the request alone", request_id, cause.message,
                        side)  # fmt: skip
 
+    @staticmethod
+    def alone_headers(side: str, headers: dict[str, str]) -> dict[str, str]:
+        """The headers of a request a ``side`` server computes alone: prefill already holds
+        the first leg's KV under the request's id (until its lease), so it gets an id of its
+        own; decode is another engine."""
+        if side != "prefill":
+            return headers
+        return {**headers, REQUEST_ID_HEADER: make_request_id(headers[REQUEST_ID_HEADER])}
+
     async def alone(
         self, side: str, path: str, body: dict[str, Any], headers: dict[str, str],
         cause: ProxyError,
@@ -158,14 +168,27 @@ class Legs:
         later, instead of the other side's error; that server's batch pays the compute."""
         request_id = headers[REQUEST_ID_HEADER]
         self.count_alone(side, request_id, cause)
-        plain = without_kv_params(body)
+        plain, own = without_kv_params(body), self.alone_headers(side, headers)
 
         def leg(url: str) -> Awaitable[Response]:
             if plain.get("stream"):
-                return self.stream_leg(side, url, path, plain, headers)
-            return self.run_leg(side, url, path, plain, headers)
+                return self.stream_leg(side, url, path, plain, own)
+            return self.run_leg(side, url, path, plain, own)
 
         response, url = await self._failover(self.pool(side), request_id, leg)
         logger.info("req=%s %s %s=%s: served by %s alone", request_id, path, side, url, side)
-        response.headers[REQUEST_ID_HEADER] = request_id
+        response.headers[REQUEST_ID_HEADER] = own[REQUEST_ID_HEADER]
         return response
+
+    async def open_alone(
+        self, side: str, path: str, body: dict[str, Any], headers: dict[str, str],
+        cause: ProxyError,
+    ) -> tuple[httpx.Response, str]:  # fmt: skip
+        """``alone`` for a stream its caller relays itself (the rest of one that opened with
+        prefill's first token): the opened stream and the server's URL."""
+        request_id = headers[REQUEST_ID_HEADER]
+        self.count_alone(side, request_id, cause)
+        opener = self.opener(side, path, without_kv_params(body), self.alone_headers(side, headers))
+        resp, url = await self._failover(self.pool(side), request_id, opener)
+        logger.info("req=%s %s %s=%s: served by %s alone", request_id, path, side, url, side)
+        return resp, url
