@@ -352,3 +352,21 @@ def test_fault_matrix_judges_recovery_and_leaves_unchecked_kv_unjudged(tmp_path:
     assert "| 12.2 | 7.50 FAIL |" in text and "| 12.2 | 0.40 PASS |" in text
     assert "| PASS | n/a (verify_kv off) | 50/10/2 |" in text
     assert text.count("served by") == 1 and "9 served by decode alone (no prefill up)" in text
+
+
+@pytest.mark.parametrize("extra, env, expected", [
+    ({}, {}, True),  # NIXL's default
+    ({"verify_kv": False}, {}, False),
+    ({"verify_kv": "false"}, {}, False),  # as the connector reads it, not Python's bool("false")
+    ({}, {"KVSHARE_VERIFY_KV": "0"}, False),  # the engines' environment
+    ({"backend": "lmcache"}, {}, False),  # LMCache: off unless asked for
+    ({"backend": "lmcache", "verify_kv": True}, {}, True),
+])  # fmt: skip
+def test_the_fault_run_reads_verify_kv_as_the_connector_does(extra: dict, env: dict,
+                                                             expected: bool) -> None:
+    """Whether a case's no_wrong_kv can be judged: verify_kv from the deployment's extra
+    config and engine environment, by the connector's own option rules."""
+    from benchmarks.gpu.serving import faults
+    from kvshare_connector.toolkit.launcher import ServeConfig
+
+    assert faults.verifies(ServeConfig(model="m", kv_extra_config=extra, env=env)) is expected

@@ -46,8 +46,10 @@ from benchmarks.gpu.serving import checks, metrics
 from benchmarks.gpu.serving.deployments import Planned
 from benchmarks.gpu.serving.fault_report import good_request, markdown, summarize
 from benchmarks.gpu.serving.runs import Runner
+from kvshare_connector.backends.options import ConnectorOptions
 from kvshare_connector.common import failpoints
 from kvshare_connector.devtools import attacks
+from kvshare_connector.toolkit.launcher import ServeConfig
 from kvshare_connector.toolkit.procs import ManagedProcess
 
 FIRE_GRACE_S = 30.0  # a failpoint not fired by --kill-after + this: SIGKILL instead
@@ -388,7 +390,7 @@ class FaultRun:
                 "reference_records": ref_records, "after_records": after_records,
                 "after": after, "drained_s": drained, "usage_after_drain": usage,
                 "final_kvshare": final, "bench_file": run["file"],
-                "verify_kv": bool(p.deployment.cfg.kv_extra_config.get("verify_kv", True)),
+                "verify_kv": verifies(p.deployment.cfg),
                 "fault": {"victim": victim.role, "engine": victim.name,
                           "survivor": self.survivor.name, "action": a.fault_action,
                           "point": a.fault_point, "skip": self.skip if a.fault_point else None,
@@ -453,6 +455,14 @@ def run_faults(runner: Runner, out: Path) -> int:
     (out / "faults.md").write_text(markdown(summary))
     ok = all(v["ok"] is not False for v in summary["verdicts"].values())  # None: not judged
     return 0 if ok and data["fault"]["fired"] else 1
+
+
+def verifies(cfg: ServeConfig) -> bool:
+    """Whether the deployment's decode checks its loads: ``verify_kv`` as the connector reads
+    it from the extra config and the engines' environment (on by default with NIXL, off with
+    LMCache unless asked for)."""
+    o = ConnectorOptions.parse(cfg.kv_extra_config, cfg.env)
+    return o.verifies if o.backend == "nixl" else o.verify_kv is True
 
 
 def _manifest(raw: Path) -> list[dict[str, Any]]:
