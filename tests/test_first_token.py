@@ -22,7 +22,7 @@ from kvshare_connector.toolkit.proxy import create_app
 
 from .support.fake_model import word_id
 from .support.fake_vllm_server import ThreadServer, fake_server, fake_token_ids
-from .support.pd_stack import FAST, QUESTION, pd_stack, sse_events
+from .support.pd_stack import QUESTION, fast, pd_stack, sse_events
 
 #: What `vllm bench serve` sends (openai completions backend), with a temperature.
 BENCH = {
@@ -252,7 +252,7 @@ def test_a_decode_that_fails_after_the_first_token_ends_the_stream_with_an_error
     fail``; prefill continuing the stream alone: test_proxy_side_down.py)."""
     with fake_server("prefill") as prefill:
         dead = f"http://127.0.0.1:{pick_free_port()}"
-        app = create_app([prefill.url], [dead], FAST, serve_alone=False)
+        app = create_app([prefill.url], [dead], fast(serve_alone=False))
         with ThreadServer(app) as proxy:
             body = {"prompt": QUESTION, "max_tokens": 4, "stream": True}
             resp = httpx.post(proxy.url + "/v1/completions", json=body, timeout=10)

@@ -26,7 +26,7 @@ from kvshare_connector.toolkit.proxy import (
 )
 
 from .support.fake_vllm_server import ThreadServer, fake_server, fake_text, fake_token_ids
-from .support.pd_stack import FAST, QUESTION, pd_stack, sse_events
+from .support.pd_stack import QUESTION, fast, pd_stack, sse_events
 
 
 def test_prefill_body_is_a_one_token_unstreamed_copy() -> None:
@@ -219,7 +219,7 @@ def test_health_reports_each_backend_and_whether_the_proxy_can_serve() -> None:
     dead = f"http://127.0.0.1:{pick_free_port()}"
     with fake_server("prefill") as pre, fake_server("decode") as dec:
         def health(prefills: list[str], decodes: list[str], alone: bool = True) -> Any:
-            app = create_app(prefills, decodes, FAST, serve_alone=alone)
+            app = create_app(prefills, decodes, fast(serve_alone=alone))
             with ThreadServer(app) as proxy:
                 return httpx.get(proxy.url + "/health", timeout=5)
 
@@ -257,7 +257,7 @@ def test_prefill_down_is_503_naming_the_server() -> None:
     test_proxy_side_down.py)."""
     dead = f"http://127.0.0.1:{pick_free_port()}"
     with fake_server("decode") as dec, ThreadServer(
-        create_app([dead], [dec.url], FAST, serve_alone=False)
+        create_app([dead], [dec.url], fast(serve_alone=False))
     ) as px:
         resp = httpx.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
     assert resp.status_code == 503
@@ -274,8 +274,9 @@ def test_decode_down_is_503_naming_the_server() -> None:
     dead = f"http://127.0.0.1:{pick_free_port()}"
     with (
         fake_server("prefill") as pre,
-        ThreadServer(create_app([pre.url], [dead], FAST, first_token_from_prefill=False,
-                                serve_alone=False)) as px,
+        ThreadServer(
+            create_app([pre.url], [dead], fast(first_token_from_prefill=False, serve_alone=False))
+        ) as px,
     ):
         plain = httpx.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
         streamed = httpx.post(
@@ -311,7 +312,7 @@ def test_a_backend_that_refuses_connections_is_passed_over(stream: bool, caplog:
     through the others, each dead one is tried once and then passed over for a while."""
     dead_p, dead_d = (f"http://127.0.0.1:{pick_free_port()}" for _ in range(2))
     with fake_server("prefill") as pre, fake_server("decode") as dec:
-        app = create_app([dead_p, pre.url], [dec.url, dead_d], FAST)
+        app = create_app([dead_p, pre.url], [dec.url, dead_d], fast())
         with ThreadServer(app) as px, caplog.at_level("WARNING"):
             codes = [httpx.post(px.url + "/v1/completions", timeout=10,
                                 json={"prompt": f"{i} + 1", "max_tokens": 4, "stream": stream}
@@ -332,7 +333,7 @@ def test_only_a_refused_connection_is_tried_elsewhere() -> None:
         fake_server("prefill") as pre,
         fake_server("decode", fail_mode="error500") as bad,
         fake_server("decode") as good,
-        ThreadServer(create_app([pre.url], [bad.url, good.url], FAST)) as px,
+        ThreadServer(create_app([pre.url], [bad.url, good.url], fast())) as px,
     ):
         resp = httpx.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
     assert resp.status_code == 502 and _error(resp)["server"] == bad.url
@@ -372,7 +373,7 @@ def test_a_prefill_that_drops_the_request_is_sent_to_another(caplog: Any) -> Non
         dropper, seen = stack.enter_context(dropping_server())
         pre = stack.enter_context(fake_server("prefill"))
         dec = stack.enter_context(fake_server("decode"))
-        px = stack.enter_context(ThreadServer(create_app([dropper, pre.url], [dec.url], FAST)))
+        px = stack.enter_context(ThreadServer(create_app([dropper, pre.url], [dec.url], fast())))
         stack.enter_context(caplog.at_level("WARNING"))
         resps = [httpx.post(px.url + "/v1/completions", json={"prompt": f"{i} + 1"},
                             headers={"X-Request-Id": f"client{i}"}, timeout=10)
@@ -401,7 +402,7 @@ def test_a_dropped_leg_is_sent_once_more_at_most_and_never_to_decode() -> None:
         dropper, seen = stack.enter_context(dropping_server())
         dec = stack.enter_context(fake_server("decode"))
         px = stack.enter_context(ThreadServer(
-            create_app([dropper], [dec.url], FAST, serve_alone=False)))
+            create_app([dropper], [dec.url], fast(serve_alone=False))))
         resp = httpx.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
     assert resp.status_code == 502 and len(seen) == 2 and seen[0] != seen[1]
     err = _error(resp)
@@ -413,7 +414,7 @@ def test_a_dropped_leg_is_sent_once_more_at_most_and_never_to_decode() -> None:
         pre = stack.enter_context(fake_server("prefill"))
         good = stack.enter_context(fake_server("decode"))
         px = stack.enter_context(ThreadServer(
-            create_app([pre.url], [dropper, good.url], FAST, serve_alone=False)))
+            create_app([pre.url], [dropper, good.url], fast(serve_alone=False))))
         resp = httpx.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
     assert resp.status_code == 502 and len(seen) == 1
     assert _error(resp)["server"] == dropper and good.state.hits["completions"] == 0

@@ -19,7 +19,7 @@ from kvshare_connector.toolkit.procs import pick_free_port
 from kvshare_connector.toolkit.proxy import create_app
 
 from .support.fake_vllm_server import ThreadServer, fake_server
-from .support.pd_stack import FAST, QUESTION, sse_events
+from .support.pd_stack import QUESTION, fast, sse_events
 from .test_proxy import dropping_server
 
 
@@ -52,7 +52,7 @@ def test_a_dead_prefill_leaves_decode_to_serve_the_request_alone(
     with ExitStack() as stack:
         dec = stack.enter_context(fake_server("decode"))
         colo = stack.enter_context(fake_server("colocated"))
-        px = stack.enter_context(ThreadServer(create_app([dead], [dec.url], FAST)))
+        px = stack.enter_context(ThreadServer(create_app([dead], [dec.url], fast())))
         stack.enter_context(caplog.at_level("WARNING"))
         resp = _ask(px.url, stream)
         base = _ask(colo.url, stream)
@@ -76,7 +76,7 @@ def test_a_prefill_that_drops_every_request_leaves_decode_to_serve_it(monkeypatc
     with ExitStack() as stack:
         dropper, seen = stack.enter_context(dropping_server())
         dec = stack.enter_context(fake_server("decode"))
-        px = stack.enter_context(ThreadServer(create_app([dropper], [dec.url], FAST)))
+        px = stack.enter_context(ThreadServer(create_app([dropper], [dec.url], fast())))
         resp = _ask(px.url, stream=False)
     assert resp.status_code == 200 and len(seen) == 2
     assert resp.headers["x-request-id"] == seen[0]
@@ -96,7 +96,7 @@ def test_a_dead_decode_leaves_prefill_to_serve_the_request_alone(
     with ExitStack() as stack:
         pre = stack.enter_context(fake_server("prefill"))
         colo = stack.enter_context(fake_server("colocated"))
-        app = create_app([pre.url], [dead], FAST, first_token_from_prefill=False)
+        app = create_app([pre.url], [dead], fast(first_token_from_prefill=False))
         px = stack.enter_context(ThreadServer(app))
         resp = _ask(px.url, stream)
         base = _ask(colo.url, stream)
@@ -119,7 +119,7 @@ def test_a_decode_that_drops_its_leg_leaves_prefill_not_a_second_decode(monkeypa
         dropper, seen = stack.enter_context(dropping_server())
         pre = stack.enter_context(fake_server("prefill"))
         good = stack.enter_context(fake_server("decode"))
-        app = create_app([pre.url], [dropper, good.url], FAST, first_token_from_prefill=False)
+        app = create_app([pre.url], [dropper, good.url], fast(first_token_from_prefill=False))
         px = stack.enter_context(ThreadServer(app))
         resp = _ask(px.url, stream=False)
     assert resp.status_code == 200, resp.text
@@ -140,7 +140,7 @@ def test_after_prefills_first_token_a_dead_decode_leaves_prefill_to_finish_the_s
     with ExitStack() as stack:
         pre = stack.enter_context(fake_server("prefill", kvshare_params=True))
         colo = stack.enter_context(fake_server("colocated"))
-        px = stack.enter_context(ThreadServer(create_app([pre.url], [dead], FAST)))
+        px = stack.enter_context(ThreadServer(create_app([pre.url], [dead], fast())))
         stack.enter_context(caplog.at_level("INFO"))
         resp = _ask(px.url, True, **usage)
         base = _ask(colo.url, True, **usage)
@@ -168,7 +168,7 @@ def test_a_prefill_that_answers_badly_is_not_served_around(
     with ExitStack() as stack:
         pre = stack.enter_context(fake_server("prefill", fail_mode=fail_mode))
         dec = stack.enter_context(fake_server("decode"))
-        px = stack.enter_context(ThreadServer(create_app([pre.url], [dec.url], FAST)))
+        px = stack.enter_context(ThreadServer(create_app([pre.url], [dec.url], fast())))
         resp = _ask(px.url, stream=False)
         health = httpx.get(px.url + "/health", timeout=10).json()
     assert resp.status_code == status
@@ -183,7 +183,7 @@ def test_a_decode_that_answers_badly_is_not_served_around(monkeypatch: Any) -> N
     with ExitStack() as stack:
         pre = stack.enter_context(fake_server("prefill"))
         bad = stack.enter_context(fake_server("decode", fail_mode="error500"))
-        app = create_app([pre.url], [bad.url], FAST, first_token_from_prefill=False)
+        app = create_app([pre.url], [bad.url], fast(first_token_from_prefill=False))
         px = stack.enter_context(ThreadServer(app))
         resp = _ask(px.url, stream=False)
     assert resp.status_code == 502 and json.loads(resp.text)["error"]["server"] == bad.url

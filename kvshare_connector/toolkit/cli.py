@@ -53,19 +53,15 @@ def _timeouts(args: argparse.Namespace) -> Any:
 
 
 def _run_proxy(args: argparse.Namespace) -> int:
-    from kvshare_connector.toolkit.proxy import serve
+    from kvshare_connector.toolkit.proxy import ProxyOptions, serve
 
-    serve(
-        args.prefill,
-        args.decode,
-        args.host,
-        args.port,
-        _timeouts(args),
-        log_level=args.log_level.lower(),
+    options = ProxyOptions(
+        timeouts=_timeouts(args),
         hand_off_token_ids=not args.prompt_as_text,
         first_token_from_prefill=args.first_token == "prefill",
         serve_alone=args.side_down == "alone",
     )
+    serve(args.prefill, args.decode, args.host, args.port, options, args.log_level.lower())
     return 0
 
 

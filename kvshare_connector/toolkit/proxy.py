@@ -50,8 +50,9 @@ from kvshare_connector.toolkit.pd_legs import (  # noqa: F401 (PREFILL_KV_PARAMS
     make_request_id,
     text_prompt,
 )
-from kvshare_connector.toolkit.proxy_backends import (
+from kvshare_connector.toolkit.proxy_backends import (  # noqa: F401 (ProxyTimeouts: public here)
     ProxyError,
+    ProxyOptions,
     ProxyTimeouts,
     error_event,
     snippet,
@@ -112,21 +113,16 @@ class PDProxy(Legs):
         self,
         prefill_urls: Sequence[str],
         decode_urls: Sequence[str],
-        timeouts: ProxyTimeouts,
-        hand_off_token_ids: bool = True,
-        first_token_from_prefill: bool = True,
-        serve_alone: bool = True,
+        options: ProxyOptions,
     ) -> None:
-        super().__init__(prefill_urls, decode_urls, timeouts, serve_alone)
-        self.hand_off_token_ids = hand_off_token_ids  # pd_legs: decode gets prefill's ids
-        self.first_token_from_prefill = first_token_from_prefill  # first_token.py
+        super().__init__(prefill_urls, decode_urls, options)
 
     async def run_prefill(
         self, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
     ) -> tuple[dict[str, Any], list[int] | None, dict[str, Any]]:
         """Send the prefill request; return the ``kv_transfer_params`` it answered, the
         prompt's token ids when they were asked for and given, and the whole answer."""
-        want_ids = self.hand_off_token_ids and text_prompt(path, body)
+        want_ids = self.options.hand_off_token_ids and text_prompt(path, body)
         prefill_body = make_prefill_body(body, want_token_ids=want_ids)
         resp = await self._post("prefill", url, path, prefill_body, headers)
         try:
@@ -290,7 +286,7 @@ class PDProxy(Legs):
         """Prefill's token where it can open the client's stream (first_token.py): a
         request that allows it, a prefill of ours (it states the prompt it computed, so
         its decode takes a prompt extending it), the prompt's ids in hand."""
-        if not self.first_token_from_prefill or token_ids is None:
+        if not self.options.first_token_from_prefill or token_ids is None:
             return None
         if not kv.get("remote_prompt_digest") or ineligible(path, body):
             return None
@@ -330,7 +326,7 @@ class PDProxy(Legs):
         n = len(self.prefill.urls)
         up = {side: any(p["ok"] for p in part)
               for side, part in (("prefill", probes[:n]), ("decode", probes[n:]))}  # fmt: skip
-        serving = all(up.values()) or (self.serve_alone and any(up.values()))
+        serving = all(up.values()) or (self.options.serve_alone and any(up.values()))
         every = all(p["ok"] for p in probes)
         return serving, {
             "status": "ok" if every else "degraded" if serving else "unhealthy",
@@ -344,21 +340,15 @@ class PDProxy(Legs):
 def create_app(
     prefill_urls: Sequence[str],
     decode_urls: Sequence[str],
-    timeouts: ProxyTimeouts | None = None,
-    *,
-    max_connections: int | None = None,
-    hand_off_token_ids: bool = True,
-    first_token_from_prefill: bool = True,
-    serve_alone: bool = True,
+    options: ProxyOptions | None = None,
 ) -> FastAPI:
     """Build the proxy app. The httpx client lives in the app's lifespan (its event loop)."""
-    timeouts = timeouts or ProxyTimeouts()
-    proxy = PDProxy(prefill_urls, decode_urls, timeouts, hand_off_token_ids,
-                    first_token_from_prefill, serve_alone)  # fmt: skip
+    proxy = PDProxy(prefill_urls, decode_urls, options or ProxyOptions())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=64)
+        cap = proxy.options.max_connections
+        limits = httpx.Limits(max_connections=cap, max_keepalive_connections=64)
         async with httpx.AsyncClient(timeout=proxy.timeouts.as_httpx(), limits=limits) as client:
             proxy.client = client
             logger.info("PD proxy: prefill=%s decode=%s", proxy.prefill.urls, proxy.decode.urls)
@@ -405,21 +395,11 @@ def serve(
     decode_urls: Sequence[str],
     host: str,
     port: int,
-    timeouts: ProxyTimeouts | None = None,
+    options: ProxyOptions | None = None,
     log_level: str = "info",
-    hand_off_token_ids: bool = True,
-    first_token_from_prefill: bool = True,
-    serve_alone: bool = True,
 ) -> None:
     """Run the proxy with uvicorn until interrupted."""
     import uvicorn
 
-    app = create_app(
-        prefill_urls,
-        decode_urls,
-        timeouts,
-        hand_off_token_ids=hand_off_token_ids,
-        first_token_from_prefill=first_token_from_prefill,
-        serve_alone=serve_alone,
-    )
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    uvicorn.run(create_app(prefill_urls, decode_urls, options), host=host, port=port,
+                log_level=log_level)  # fmt: skip

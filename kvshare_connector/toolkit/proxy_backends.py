@@ -1,14 +1,14 @@
-"""The PD proxy's backends: the timeouts it waits with, the round robin over each pool, and
-its errors, each naming the backend and what went wrong (``kind``: ``backend_unreachable``,
-``backend_dropped``, ``backend_timeout``, ``bad_backend_response``, ``backend_error``,
-``backend_client_error``)."""
+"""The PD proxy's backends: its options and the timeouts it waits with, the round robin over
+each pool, and its errors, each naming the backend and what went wrong (``kind``:
+``backend_unreachable``, ``backend_dropped``, ``backend_timeout``, ``bad_backend_response``,
+``backend_error``, ``backend_client_error``)."""
 
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -26,6 +26,23 @@ class ProxyTimeouts:
 
     def as_httpx(self) -> httpx.Timeout:
         return httpx.Timeout(connect=self.connect, read=self.read, write=self.write, pool=self.pool)
+
+
+@dataclass(frozen=True)
+class ProxyOptions:
+    """How the proxy waits, splits and serves: one object from the command line (``kvshare
+    proxy``'s flags) down to the legs, so a new setting is one field, not one more argument
+    threaded through ``serve``, ``create_app`` and ``PDProxy``."""
+
+    timeouts: ProxyTimeouts = field(default_factory=ProxyTimeouts)
+    #: httpx's cap on open connections to the backends (None: no cap).
+    max_connections: int | None = None
+    #: A completions prompt given as text reaches decode as prefill's token ids (pd_legs).
+    hand_off_token_ids: bool = True
+    #: A streamed completion opens with the token prefill sampled (first_token).
+    first_token_from_prefill: bool = True
+    #: With every server of one side down, the other side computes requests alone (proxy_legs).
+    serve_alone: bool = True
 
 
 class RoundRobin:

@@ -18,7 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 from kvshare_connector.toolkit.pd_legs import make_request_id
 from kvshare_connector.toolkit.proxy_backends import (
     ProxyError,
-    ProxyTimeouts,
+    ProxyOptions,
     RoundRobin,
     check_status,
     transport_error,
@@ -47,13 +47,12 @@ class Legs:
         self,
         prefill_urls: Sequence[str],
         decode_urls: Sequence[str],
-        timeouts: ProxyTimeouts,
-        serve_alone: bool = True,
+        options: ProxyOptions,
     ) -> None:
         self.prefill = RoundRobin(prefill_urls)
         self.decode = RoundRobin(decode_urls)
-        self.timeouts = timeouts
-        self.serve_alone = serve_alone  # a side down: the other computes requests alone
+        self.options = options
+        self.timeouts = options.timeouts
         self.served_alone: Counter[str] = Counter()  # by the side that served them
         self.client: httpx.AsyncClient | None = None
 
@@ -143,7 +142,7 @@ class Legs:
         )
 
     def may_serve_alone(self, exc: ProxyError) -> bool:
-        return self.serve_alone and exc.kind in SIDE_DOWN
+        return self.options.serve_alone and exc.kind in SIDE_DOWN
 
     def count_alone(self, side: str, request_id: str, cause: ProxyError) -> None:
         self.served_alone[side] += 1

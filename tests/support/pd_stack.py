@@ -7,11 +7,17 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from kvshare_connector.toolkit.proxy import ProxyTimeouts, create_app
+from kvshare_connector.toolkit.proxy import ProxyOptions, ProxyTimeouts, create_app
 
 from .fake_vllm_server import ThreadServer, fake_server
 
 FAST = ProxyTimeouts(connect=2.0, read=5.0, health=1.0)
+
+
+def fast(**options: Any) -> ProxyOptions:
+    """The proxy's options with the tests' short timeouts."""
+    return ProxyOptions(timeouts=FAST, **options)
+
 QUESTION = "Question: What is 4 + 5?\nAnswer:"
 
 
@@ -30,13 +36,12 @@ def pd_stack(
             stack.enter_context(fake_server("prefill", **prefill_kwargs)) for _ in range(n_prefill)
         ]
         decodes = [stack.enter_context(fake_server("decode")) for _ in range(n_decode)]
-        app = create_app(
-            [p.url for p in prefills],
-            [d.url for d in decodes],
-            timeouts,
+        options = ProxyOptions(
+            timeouts=timeouts,
             hand_off_token_ids=hand_off_token_ids,
             first_token_from_prefill=first_token_from_prefill,
         )
+        app = create_app([p.url for p in prefills], [d.url for d in decodes], options)
         proxy = stack.enter_context(ThreadServer(app))
         yield proxy.url, prefills, decodes
 
