@@ -45,6 +45,8 @@
 #            concurrency 1 and 16, eager, FT_KV_GIB (default 1) of KV per engine; handoff
 #            and graphs sample only ids the tokenizer has text for (the hand-off needs a
 #            first token with text)
+#   kvcached033  (STACK=033) kvcached 0.1.6 built against vLLM 0.33's torch and `vllm serve`
+#            with ENABLE_KVCACHED=true: whether the engine serves or stops, and its message
 #   faults   the fault matrix (issue 25): FAULT_CASES (default c d e f: prefill hung,
 #            prefill dies before a release, a side-channel flood, the decode that never
 #            comes) in FAULT_VARIANTS (default 1p1d; also 1p2d 2p1d router router-1p2d noverify);
@@ -200,6 +202,30 @@ for step in "$@"; do
         --serve-args "--max-num-seqs 64" --time-budget "${TIME_BUDGET:-300}" --grace 10 \
         --bench-timeout 240 --keep-raw > "$OUT/loads.log" 2>&1
       rc=$?; echo "loads: exit $rc"; pack loads
+      ;;
+    kvcached033)
+      # What a user of vLLM 0.33 gets with kvcached 0.1.6 (issue 24): kvcached built against
+      # 0.33's torch from the sdist the 0.26 install unpacked, then `vllm serve` with
+      # ENABLE_KVCACHED=true; kvcached.log tells whether the engine stopped (and why) or served.
+      [ "${STACK:-026}" = 033 ] || { echo "kvcached033: run with STACK=033" >&2; exit 2; }
+      weights
+      log="$OUT/kvcached033.log"
+      (cd /tmp && python3 -m pip install -q --no-build-isolation --no-deps --no-cache-dir \
+        --target /tmp/kvcached033 /tmp/gpu-wheels/kvcached-0.1.6.tar.gz) > "$log" 2>&1
+      echo "kvcached build: exit $?" >> "$log"
+      ENABLE_KVCACHED=true KVCACHED_AUTOPATCH=1 PYTHONPATH="/tmp/kvcached033:$PYTHONPATH" \
+        vllm serve "$E2B" --port 8193 --enforce-eager --gpu-memory-utilization 0.2 \
+        --kv-cache-memory-bytes 2147483648 --max-model-len 4096 >> "$log" 2>&1 &
+      pid=$!; verdict="still starting after 240 s"
+      for _ in $(seq 240); do
+        if ! kill -0 "$pid" 2>/dev/null; then wait "$pid"; verdict="engine exited ($?)"; break; fi
+        if python3 -c 'import urllib.request as u; u.urlopen("http://127.0.0.1:8193/health", timeout=2)' \
+          2>/dev/null; then verdict="engine serving"; break; fi
+        sleep 1
+      done
+      kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+      echo "kvcached033: $verdict" | tee -a "$log"
+      grep -m3 -E "KVCachedConfigError|runner adapter|kvcached" "$log"
       ;;
     serve2k) serve 2048 64 serve2k ;;
     serve8k) serve 8192 48 serve8k ;;
