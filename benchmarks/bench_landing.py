@@ -8,7 +8,8 @@ between the claim and the READ posted. This times the host's share of each step,
 vLLM-laid-out CPU tensors (``devtools.cpu_stack``):
 - the descriptors (``transfer_descriptors``), NIXL's preparation of them (no post), and the
   packed plan (``packed_read_of``), all before the READ;
-- the index plans of the scatter (``word_indices``) and of the digests (``Digester._plan``);
+- the index plans of the scatter (``word_indices``) and of the digests (``Digester.plan``,
+  which decode makes while its claim is out, off the load's path);
 - comparing the digests (``compare``).
 
 It also times the scatter and the digests whole. On the CPU their copies run inline, so
@@ -116,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                  f"{idx.size:,} words"))  # fmt: skip
     packer.staging.release(staged)
     digester = demo.cpu_digester(stack)
-    ms, work = timed(lambda: digester._plan(topo, decode_ids), args.repeat)
-    rows.append(("digest plan (Digester._plan)", ms, f"{len(work[0])} layers"))
+    ms, plan = timed(lambda: digester.plan(topo, decode_ids), args.repeat)
+    rows.append(("digest plan (Digester.plan; made while the claim is out)", ms,
+                 f"{len(topo.owners)} layers in {len(plan.groups)} gathers"))  # fmt: skip
     slot = packer.staging.allocate(packed.nbytes)
     assert slot is not None
     ms, _ = timed(lambda: packer.scatter(s[:, 0], s[:, 2], slot + s[:, 1]), args.repeat)

@@ -134,10 +134,13 @@ def test_verified_packed_read_between_layouts(peer, decodes):
     assert result.mismatches == []
     record = record_of(decode.sink, "v-packed")
     assert record.verified == layer_blocks(decode.topology, local_ids)
-    # The landing's host parts are in the record (the read log), inside arrived -> launched.
-    assert set(record.landing_host) == {"release", "scatter", "digests"}, record.landing_host
+    # The landing's host parts are in the record (the read log), inside arrived -> launched;
+    # the digest plan was made while the claim was out, so it is a part of its own.
+    parts = dict(record.landing_host)
+    assert parts.pop("digest_plan") > 0, record.landing_host
+    assert set(parts) == {"release", "scatter", "digests"}, record.landing_host
     launch = record.timeline["launched"] - record.timeline["arrived"]
-    assert 0 < sum(record.landing_host.values()) <= launch + 1e-3, (record.landing_host, launch)
+    assert 0 < sum(parts.values()) <= launch + 1e-3, (record.landing_host, launch)
 
 
 def test_kv_changed_after_prefill_digested_it_fails_the_load(peer, decodes):
@@ -174,13 +177,13 @@ def test_decode_side_corruption_after_the_read_is_caught(peer, decodes, monkeypa
     """The digest is taken from decode's blocks, not from what the wire carried: a scatter
     into the wrong place or a block overwritten before vLLM runs fails too."""
     decode = decodes("g4tiny", "per_layer", verify=True)
-    land = decode.sink._land
+    land = decode.sink.lander.land
 
     def overwritten_then_digested(read):  # after the READ, before decode digests
         overwrite_first_block(decode.topology, read.local_read)
         land(read)
 
-    monkeypatch.setattr(decode.sink, "_land", overwritten_then_digested)
+    monkeypatch.setattr(decode.sink.lander, "land", overwritten_then_digested)
     result, _ = decode.read(peer.request("tiny", 1), 6, "v-decode-corrupt")
     assert not result.done
     assert "differs from prefill block" in result.failure
@@ -223,6 +226,38 @@ def test_digest_reference_matches_the_kernel_and_sees_one_word():
     swapped = block[8:16] + block[:8] + block[16:]
     if swapped != block:
         assert verification.digest_bytes(swapped) != verification.digest_bytes(block)
+
+
+@pytest.mark.parametrize(
+    ("model", "layout"), [("g4tiny", "per_layer"), (E2B, "kvcached_contiguous"), (E2B, "per_layer")]
+)
+def test_every_layer_block_digest_equals_the_reference(model, layout):
+    """Layers of one block shape in one storage are digested together, in one gather: each
+    layer's digests must still be its own blocks', in order (the host reference, block by
+    block). The control: a plan of other blocks gives other digests."""
+    stack, topology = build(model, layout, 64, 2048)
+    ids = request_block_ids(topology, 600, seed=4)
+    kvcheck.fill(stack.kv_caches, topology, ids, seed=4)
+    digester = cpu_digester(stack)
+    plan = digester.plan(topology, ids)
+    digests = digester.launch(plan).result()
+    checked = 0
+    for runs in verification.layer_runs(topology, ids):
+        segments = runs.block_bytes // runs.segment_len
+        want = [
+            verification.digest_bytes(b"".join(
+                ctypes.string_at(int(a), runs.segment_len) for a in runs.addr[i : i + segments]
+            ))
+            for i in range(0, runs.addr.size, segments)
+        ]  # fmt: skip
+        assert [int(d) for d in digests[runs.name]] == want, runs.name
+        checked += len(want)
+    assert checked == sum(len(ids[o.group]) for o in topology.owners.values())
+    if layout == "kvcached_contiguous":  # one storage: fewer gathers than layers
+        assert len(plan.groups) < len(topology.owners), plan.groups
+    other = [list(reversed(group)) for group in ids]
+    moved = digester.start(topology, other).result()
+    assert any((moved[n] != digests[n]).any() for n in digests if digests[n].size > 1)
 
 
 def test_verify_kv_is_on_by_default_strict_and_the_lmcache_backend_refuses_it():
@@ -280,13 +315,13 @@ def test_reordered_torn_and_stale_blocks_fail_the_load(peer, decodes, monkeypatc
     outcomes = {}
     for verify in (False, True):
         decode = decodes("g4tiny", "per_layer", verify=verify)
-        land = decode.sink._land
+        land = decode.sink.lander.land
 
         def tampered_then_landed(read, land=land, decode=decode):
             tamper(decode.topology, read.local_read)
             land(read)
 
-        monkeypatch.setattr(decode.sink, "_land", tampered_then_landed)
+        monkeypatch.setattr(decode.sink.lander, "land", tampered_then_landed)
         request = peer.request("tamper", 2 * index + (0 if verify else 1))
         outcomes[verify], _ = decode.read(request, 20 + index, f"tamper-{index}-{verify}")
         monkeypatch.undo()

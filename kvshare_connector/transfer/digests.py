@@ -4,10 +4,13 @@
 prefill digests a request once when it holds it and decode digests its blocks after the
 READ, before vLLM runs on them. The work of one request is cheap to launch and never
 blocks the engine thread: the word indices of every layer go to the device in one
-upload, each layer is one gather and one multiply-sum (in bounded chunks) into one
-output, and that output comes back in one asynchronous download; on CUDA all of it runs
-on a side stream ordered after the compute stream (and, on decode, after the scatter),
-and ``PendingDigests.ready()`` asks the event instead of waiting for it.
+upload, the layers whose blocks have one shape in one storage are one gather and one
+multiply-sum (in bounded chunks) into one output, and that output comes back in one
+asynchronous download; on CUDA all of it runs on a side stream ordered after the compute
+stream (and, on decode, after the scatter), and ``PendingDigests.ready()`` asks the event
+instead of waiting for it. Planning (``Digester.plan``: the indices, uploaded) is apart
+from launching (``Digester.launch``), so decode plans while its claim is answered and,
+once the READ is done, only launches.
 torch is imported lazily: the transfer layer stays importable without it.
 """
 
@@ -55,14 +58,27 @@ class PendingDigests:
 
 
 @dataclass(frozen=True)
-class _LayerWork:
-    name: str
-    span: Any  # the storage the layer's blocks lie in
+class _GroupWork:
+    """Layers whose blocks have one size and one gathered word in one storage: one gather
+    and one multiply-sum for all of them (E2B: two groups for its 15 owner layers)."""
+
+    span: Any  # the storage the layers' blocks lie in
     word: int  # bytes per gathered row
-    blocks: int
+    blocks: int  # of all its layers
     block_bytes: int
     first_index: int  # of its rows in the request's one index upload
     rows: int
+
+
+@dataclass
+class DigestPlan:
+    """A request's digest work, planned before its blocks are final: what to gather, the
+    indices (on the device once uploaded) and where each layer's digests fall."""
+
+    groups: list[_GroupWork]
+    indices: Any  # np.ndarray, or the uploaded tensor
+    slices: dict[str, tuple[int, int]]  # layer -> (first, count) in the output
+    total: int
 
 
 class Digester:
@@ -93,47 +109,68 @@ class Digester:
         after the copy ``after`` (decode: the scatter into those blocks) if one is given,
         and behind what the compute stream has queued unless ``after_compute`` is False
         (``Packer._copy`` says when that is right)."""
+        return self.launch(self.plan(topology, block_ids), after, after_compute)
+
+    def plan(self, topology: KVTopology, block_ids: Sequence[Sequence[int]]) -> DigestPlan:
+        """The digests of ``block_ids`` planned, their indices on their way to the device
+        (on the side stream, so a later ``launch`` there is ordered after the upload); the
+        blocks' bytes are not read until ``launch``."""
+        real = [[b for b in ids if b] for ids in block_ids]
+        groups, indices, slices, total = self._plan(topology, real)
+        if self._stream is None:
+            return DigestPlan(groups, indices, slices, total)
         import torch
 
-        real = [[b for b in ids if b] for ids in block_ids]
-        work, indices = self._plan(topology, real)
+        with torch.cuda.stream(self._stream):
+            return DigestPlan(groups, upload(indices, self.device), slices, total)
+
+    def launch(
+        self, plan: DigestPlan, after: Copy | None = None, after_compute: bool = True
+    ) -> PendingDigests:
+        """Run a planned request's digests (``start`` says what ``after`` and
+        ``after_compute`` order them behind)."""
+        import torch
+
         stream = self._stream
         if stream is not None:
             if after_compute:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
             if after is not None and after.event is not None:
                 stream.wait_event(after.event)
-        total = sum(w.blocks for w in work)
         context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with context:
-            index = upload(indices, self.device)
-            out = torch.zeros(total, dtype=torch.int64, device=self.device)
-            slices, first = {}, 0
-            for w in work:
-                slices[w.name] = (first, w.blocks)
-                if w.blocks:
-                    self._layer(w, index, out[first : first + w.blocks])
-                first += w.blocks
-            host = torch.empty(total, dtype=torch.int64, pin_memory=stream is not None)
+            index = plan.indices
+            if isinstance(index, np.ndarray):
+                index = upload(index, self.device)
+            out = torch.zeros(plan.total, dtype=torch.int64, device=self.device)
+            first = 0
+            for g in plan.groups:
+                self._group(g, index, out[first : first + g.blocks])
+                first += g.blocks
+            host = torch.empty(plan.total, dtype=torch.int64, pin_memory=stream is not None)
             host.copy_(out, non_blocking=stream is not None)
         event = None
         if stream is not None:
             event = torch.cuda.Event()
             event.record(stream)
-        return PendingDigests(host, slices, event)
+        return PendingDigests(host, plan.slices, event)
 
     def _plan(
         self, topology: KVTopology, real: list[list[int]]
-    ) -> tuple[list[_LayerWork], np.ndarray]:
-        """Each layer's rows to gather, all in one index array (host side only)."""
-        work, parts, first = [], [], 0
+    ) -> tuple[list[_GroupWork], np.ndarray, dict[str, tuple[int, int]], int]:
+        """The rows to gather, all in one index array, grouped so that layers of one block
+        shape in one storage are gathered and summed together (host side only); each
+        layer's digests stay one slice of the output."""
+        by_key: dict[tuple[int, int, int], list[tuple[str, np.ndarray, int]]] = {}
+        spans: dict[tuple[int, int, int], Any] = {}
+        empty: list[str] = []
         for runs in layer_runs(topology, real):
             segments = runs.block_bytes // runs.segment_len
             blocks = runs.addr.size // segments
             if blocks and runs.block_bytes % 8:
                 raise PackingError(f"a block of {runs.block_bytes} bytes is not whole 64-bit words")
             if blocks == 0:
-                work.append(_LayerWork(runs.name, None, 8, 0, runs.block_bytes, first, 0))
+                empty.append(runs.name)
                 continue
             span = self.memory.span_of(int(runs.addr.min()), 0)
             self.memory.span_of(int(runs.addr.max()), runs.segment_len)  # the last run too
@@ -142,27 +179,39 @@ class Digester:
             if word < 8:  # unaligned runs: the digest still reads 64-bit words of the block
                 word = 1
             idx = word_indices(offsets, np.full(offsets.size, runs.segment_len, np.int64), word)
-            work.append(
-                _LayerWork(runs.name, span, word, blocks, runs.block_bytes, first, idx.size)
-            )
-            parts.append(idx)
-            first += idx.size
+            key = (span.start, word, runs.block_bytes)
+            spans[key] = span
+            by_key.setdefault(key, []).append((runs.name, idx, blocks))
+        groups, parts, slices = [], [], {}
+        first_index = first_block = 0
+        for key, layers in by_key.items():
+            rows = blocks = 0
+            for name, idx, n in layers:
+                slices[name] = (first_block + blocks, n)
+                parts.append(idx)
+                rows += idx.size
+                blocks += n
+            groups.append(_GroupWork(spans[key], key[1], blocks, key[2], first_index, rows))
+            first_index += rows
+            first_block += blocks
+        for name in empty:
+            slices[name] = (first_block, 0)
         indices = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        return work, indices
+        return groups, indices, slices, first_block
 
-    def _layer(self, w: _LayerWork, index: Any, out: Any) -> None:
-        """One layer's digests into ``out``: gather its blocks' words, weight and sum."""
+    def _group(self, g: _GroupWork, index: Any, out: Any) -> None:
+        """A group's digests into ``out``: gather its blocks' words, weight and sum."""
         import torch
 
-        rows = MemoryMap.rows_of(w.span, w.word)
-        weight = self._weights_of(w.block_bytes // 8)
-        rows_per_block = w.rows // w.blocks
-        per_chunk = max(1, CHUNK_BYTES // w.block_bytes)
-        for b in range(0, w.blocks, per_chunk):
-            e = min(b + per_chunk, w.blocks)
-            idx = index[w.first_index + b * rows_per_block : w.first_index + e * rows_per_block]
+        rows = MemoryMap.rows_of(g.span, g.word)
+        weight = self._weights_of(g.block_bytes // 8)
+        rows_per_block = g.rows // g.blocks
+        per_chunk = max(1, CHUNK_BYTES // g.block_bytes)
+        for b in range(0, g.blocks, per_chunk):
+            e = min(b + per_chunk, g.blocks)
+            idx = index[g.first_index + b * rows_per_block : g.first_index + e * rows_per_block]
             gathered = rows.index_select(0, idx)
-            if w.word == 1:
+            if g.word == 1:
                 gathered = gathered.reshape(-1).view(torch.int64)
-            words = gathered.reshape(-1, w.block_bytes // 8)
+            words = gathered.reshape(-1, g.block_bytes // 8)
             torch.sum(words * weight, dim=1, out=out[b:e])

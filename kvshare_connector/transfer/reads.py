@@ -22,7 +22,7 @@ import numpy as np
 from kvshare_connector.layout.staging import PackedRead
 from kvshare_connector.layout.topology import BlockIds
 from kvshare_connector.transfer import kv_params, protocol
-from kvshare_connector.transfer.digests import PendingDigests
+from kvshare_connector.transfer.digests import DigestPlan, PendingDigests
 from kvshare_connector.transfer.packing import Copy
 
 
@@ -105,6 +105,7 @@ class Read:
     grant: Grant | None = None
     transfer: Transfer | None = None
     landing: Landing | None = None
+    digest_plan: DigestPlan | None = None  # verify_kv: planned while the claim is out
     verified: int = 0
     marks: dict[str, float] = field(default_factory=dict)  # phase -> s since created
     landing_host: dict[str, float] = field(default_factory=dict)  # TransferRecord's

@@ -16,23 +16,22 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
-
 from kvshare_connector.common.failpoints import failpoint
 from kvshare_connector.common.log import get_logger
 from kvshare_connector.layout.descriptors import transfer_descriptors
 from kvshare_connector.layout.staging import packed_read_of
 from kvshare_connector.layout.topology import BlockIds, KVTopology
-from kvshare_connector.layout.verification import VerificationError, compare
+from kvshare_connector.layout.verification import VerificationError
 from kvshare_connector.transfer import kv_params, protocol
 from kvshare_connector.transfer.alignment import align_block_ids
 from kvshare_connector.transfer.claims import ClaimRefused, Claims, PeerDown
 from kvshare_connector.transfer.digests import Digester
+from kvshare_connector.transfer.landing import Lander
 from kvshare_connector.transfer.nixl import NixlTransport, TransportError
 from kvshare_connector.transfer.packing import Packer
 from kvshare_connector.transfer.peers import HandshakeError, Pairing, Peer, Peers
 from kvshare_connector.transfer.probe import Lanes, ProbeBuffer, ProbeError
-from kvshare_connector.transfer.reads import Landing, Phase, Plan, Read, ReadOrder, Transfer
+from kvshare_connector.transfer.reads import Phase, Plan, Read, ReadOrder, Transfer
 from kvshare_connector.transfer.records import LaneReport, SinkProgress, TransferRecord
 from kvshare_connector.transfer.settings import EngineSettings
 from kvshare_connector.transfer.side_channel import SideChannelError, warn_if_no_secret
@@ -77,6 +76,7 @@ class KVSink:
                 transport.register([extra])
         self.peers = Peers(topology, transport, settings, pairing=pairing)
         self.claims = Claims(self.peers, settings, packer is not None)
+        self.lander = Lander(topology, transport, packer, digester)
         self._reads: dict[str, Read] = {}
         self._done: set[str] = set()  # finished since the last poll
         self._failed: dict[str, str] = {}
@@ -174,6 +174,7 @@ class KVSink:
         self._watch(moving, now + spin_s, now)  # a READ posted just now is watched too
         for request_id, exc in self.claims.send().items():
             self._fail(self._reads[request_id], exc)
+        self._plan_ahead()
         for request_id in self._done | set(self._failed):
             self._reads.pop(request_id, None)
 
@@ -212,19 +213,29 @@ class KVSink:
             if state != "DONE":
                 return False
             read.mark("arrived")
-            self._land(read)
+            self.lander.land(read)
         assert read.landing is not None
         if not read.landing.ready():
             return False
-        self._landed(read)
+        self.lander.landed(read)
         read.mark("landed")
-        self._verify(read)
+        self.lander.verify(read)
         if read.verified:
             read.mark("verified")
         failpoint("sink.before_report")
         self._finish(read)
         self._done.add(read.request_id)
         return True
+
+    def _plan_ahead(self) -> None:
+        """Plan the landing of each read whose claim is out (``Lander.plan_ahead``)."""
+        for read in self._reads.values():
+            if read.phase is not Phase.CLAIM or read.request_id in self._failed:
+                continue
+            try:
+                self.lander.plan_ahead(read)
+            except Exception as exc:
+                self._fail(read, exc)
 
     def _check_time(self, read: Read, now: float, what: str) -> None:
         transfer = read.transfer
@@ -331,56 +342,6 @@ class KVSink:
         read.phase = Phase.READ
         read.mark("posted")
         failpoint("sink.read_posted")
-
-    def _land(self, read: Read) -> None:
-        """The READ is done: a packed request is scattered into its blocks and, with
-        ``verify_kv``, decode digests its blocks after that, both on the device; neither
-        is waited for here (``Landing.ready`` is asked while the read is watched)."""
-        t, plan = read.transfer, read.plan
-        assert t is not None and plan is not None
-        scatter = None
-        clock = time.perf_counter()
-        if t.packed is not None and t.slot is not None and self.packer:
-            self.transport.release(t.handle)
-            t.handle = None
-            clock = read.lap("release", clock)
-            failpoint("sink.before_scatter")
-            s = t.packed.scatter
-            scatter = self.packer.scatter(s[:, 0], s[:, 2], t.slot + s[:, 1])
-            clock = read.lap("scatter", clock)
-        digests = None
-        if self.digester is not None and plan.verify:
-            digests = self.digester.start(self.topology, plan.local_ids, after=scatter)
-            read.lap("digests", clock)
-        read.landing = Landing(scatter, digests)
-        read.phase = Phase.LAND
-        read.mark("launched")
-
-    def _landed(self, read: Read) -> None:
-        """The scatter is done: the staging slot serves the next read."""
-        t = read.transfer
-        if t is not None and t.slot is not None and self.packer is not None:
-            self.packer.staging.release(t.slot)
-            t.slot = None
-
-    def _verify(self, read: Read) -> None:
-        """``verify_kv``: decode's blocks, as vLLM will read them, against prefill's digests."""
-        if read.plan is None or not read.plan.verify:
-            return
-        assert read.grant is not None and read.grant.digests
-        assert read.landing is not None and read.landing.digests is not None
-        plan, digests = read.plan, read.grant.digests
-        local = read.landing.digests.result()
-        remote = {n: np.frombuffer(v, dtype="<u8") for n, v in digests.layers.items()}
-        compared, found = compare(
-            self.topology, plan.local_ids, plan.remote_ids, local, digests.block_ids, remote
-        )
-        if found:
-            raise VerificationError(
-                f"request {read.request_id}: its KV differs from what prefill "
-                f"{read.order.params.remote_engine_id} computed: " + "; ".join(found)
-            )
-        read.verified = compared
 
     def _finish(self, read: Read) -> None:
         t, plan, grant = read.transfer, read.plan, read.grant

@@ -1,0 +1,107 @@
+"""Decode's landing of a READ: the device work between the wire and vLLM.
+
+Once NIXL says a READ is done, a packed request is scattered from its staging slot into
+its blocks and, with ``verify_kv``, decode digests those blocks and compares them with
+prefill's. ``KVSink`` moves reads through their phases; ``Lander`` does this part of it.
+What can be known before the bytes arrive (the digests' index plan, uploaded) is made
+while the claim is out (``plan_ahead``), so that between the READ and the blocks in place
+the host only launches: on one GPU (2026-12-05) the READ of a 4k request took 0.13 ms and
+the host's landing after it 1.5 ms, a third of that the digest plan.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from kvshare_connector.common.failpoints import failpoint
+from kvshare_connector.layout.topology import KVTopology
+from kvshare_connector.layout.verification import VerificationError, compare
+from kvshare_connector.transfer.digests import Digester
+from kvshare_connector.transfer.nixl import NixlTransport
+from kvshare_connector.transfer.packing import Packer
+from kvshare_connector.transfer.reads import Landing, Phase, Read
+
+
+class Lander:
+    """Scatters, digests and checks the reads whose READ is done."""
+
+    def __init__(
+        self,
+        topology: KVTopology,
+        transport: NixlTransport,
+        packer: Packer | None,
+        digester: Digester | None,
+    ):
+        self.topology = topology
+        self.transport = transport
+        self.packer = packer
+        self.digester = digester
+
+    def plan_ahead(self, read: Read) -> None:
+        """verify_kv: plan (and upload) the digests of ``read``'s blocks while its claim is
+        out; their bytes are read only at ``land``. Its host seconds go in the read log as
+        ``digest_plan``, apart from the landing's own parts."""
+        plan = read.plan
+        if self.digester is None or read.digest_plan is not None:
+            return
+        if plan is None or not plan.verify:
+            return
+        clock = time.perf_counter()
+        read.digest_plan = self.digester.plan(self.topology, plan.local_ids)
+        read.lap("digest_plan", clock)
+
+    def land(self, read: Read) -> None:
+        """The READ is done: a packed request is scattered into its blocks and, with
+        ``verify_kv``, decode digests its blocks after that, both on the device; neither
+        is waited for here (``Landing.ready`` is asked while the read is watched)."""
+        t, plan = read.transfer, read.plan
+        assert t is not None and plan is not None
+        scatter = None
+        clock = time.perf_counter()
+        if t.packed is not None and t.slot is not None and self.packer:
+            self.transport.release(t.handle)
+            t.handle = None
+            clock = read.lap("release", clock)
+            failpoint("sink.before_scatter")
+            s = t.packed.scatter
+            scatter = self.packer.scatter(s[:, 0], s[:, 2], t.slot + s[:, 1])
+            clock = read.lap("scatter", clock)
+        digests = None
+        if self.digester is not None and plan.verify:
+            ahead = read.digest_plan
+            if ahead is None:  # not planned ahead (its claim's answer came at once)
+                ahead = self.digester.plan(self.topology, plan.local_ids)
+            read.digest_plan = None
+            digests = self.digester.launch(ahead, after=scatter)
+            read.lap("digests", clock)
+        read.landing = Landing(scatter, digests)
+        read.phase = Phase.LAND
+        read.mark("launched")
+
+    def landed(self, read: Read) -> None:
+        """The scatter is done: the staging slot serves the next read."""
+        t = read.transfer
+        if t is not None and t.slot is not None and self.packer is not None:
+            self.packer.staging.release(t.slot)
+            t.slot = None
+
+    def verify(self, read: Read) -> None:
+        """``verify_kv``: decode's blocks, as vLLM will read them, against prefill's digests."""
+        if read.plan is None or not read.plan.verify:
+            return
+        assert read.grant is not None and read.grant.digests
+        assert read.landing is not None and read.landing.digests is not None
+        plan, digests = read.plan, read.grant.digests
+        local = read.landing.digests.result()
+        remote = {n: np.frombuffer(v, dtype="<u8") for n, v in digests.layers.items()}
+        compared, found = compare(
+            self.topology, plan.local_ids, plan.remote_ids, local, digests.block_ids, remote
+        )
+        if found:
+            raise VerificationError(
+                f"request {read.request_id}: its KV differs from what prefill "
+                f"{read.order.params.remote_engine_id} computed: " + "; ".join(found)
+            )
+        read.verified = compared
