@@ -20,6 +20,7 @@ from kvshare_connector.toolkit.launcher import (
     CONNECTOR_NAME,
     LAYOUT_KEY,
     SIDE_CHANNEL_STRIDE,
+    Deployment,
     ServeConfig,
     colocated_deployment,
     pd_deployment,
@@ -508,3 +509,34 @@ def test_a_child_environment_keeps_the_callers_pythonpath_first(monkeypatch, tmp
     assert out.stdout.strip() == "before"
     plain = _child_env({})  # no PYTHONPATH given: this checkout is importable
     assert plain["PYTHONPATH"].split(os.pathsep)[-1] == str(ROOT)
+
+
+@pytest.mark.parametrize(
+    ("kvcached", "vllm", "named"),
+    [
+        (None, "0.26.0", "kvcached is not installed"),  # engines would run without it, silently
+        ("0.1.6", "0.33.0", "kvcached 0.1.6 adapts vLLM up to 0.30 and this is vLLM 0.33.0"),
+    ],
+)
+def test_kvcached_is_refused_before_start_where_it_cannot_serve(monkeypatch, kvcached, vllm, named):
+    """Where kvcached is missing, or does not adapt the installed vLLM, ``check`` names it
+    before any engine starts (an engine would otherwise run without it, or stop at start
+    after a minute). Versions are stubbed: kvcached builds only against CUDA."""
+    from kvshare_connector.toolkit import checks
+
+    monkeypatch.setattr(checks, "installed_version", {"kvcached": kvcached, "vllm": vllm}.get)
+    cfg = ServeConfig(model="m", env={"ENABLE_KVCACHED": "true"})
+    deployment = Deployment(cfg, plan_pd(cfg), with_proxy=True)
+    if checks.locate("vllm") is None:
+        pytest.skip("no vllm executable beside this Python or on PATH")
+    with pytest.raises(checks.UsageError, match=named):
+        deployment.check()
+    # The release kvcached adapts passes; with kvcached off nothing is asked.
+    monkeypatch.setattr(checks, "installed_version", {"kvcached": "0.1.6", "vllm": "0.26.0"}.get)
+    checks.check_kvcached()
+    monkeypatch.setattr(checks, "installed_version", lambda dist: pytest.fail(f"asked {dist}"))
+    plain = ServeConfig(model="m", env={"ENABLE_KVCACHED": "false"})
+    try:
+        Deployment(plain, plan_pd(plain), with_proxy=True).check()
+    except checks.UsageError as other:  # this host's GPUs or ports, never kvcached
+        assert "kvcached" not in str(other)

@@ -275,6 +275,43 @@ def require_module(names: Sequence[str], hint: str) -> None:
         raise UsageError(f"{' or '.join(names)} is not installed for {sys.executable}; {hint}")
 
 
+def installed_version(dist: str) -> str | None:
+    """The version of distribution ``dist`` installed for this Python, or None."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+#: The newest vLLM release each kvcached release adapts: later ones stop at engine start
+#: ("kvcached has no runner adapter for vLLM ..."; kvcached 0.1.6's vLLM patches, read from
+#: its sdist, and docs/kvcached.md).
+KVCACHED_ADAPTS_VLLM_UP_TO = {"0.1.6": (0, 30)}
+
+
+def check_kvcached() -> None:
+    """``ENABLE_KVCACHED=true`` for vLLM engines started from this Python's environment:
+    kvcached is installed there (without it the engines run on vLLM's own allocator, with
+    no word said) and adapts that vLLM release (else each engine stops at start)."""
+    kvcached, vllm = installed_version("kvcached"), installed_version("vllm")
+    if kvcached is None:
+        raise UsageError(
+            f"ENABLE_KVCACHED=true, but kvcached is not installed for {sys.executable}: the "
+            "engines would run without it. Install kvcached 0.1.6 (with vLLM <= 0.30), or "
+            "leave ENABLE_KVCACHED off"
+        )
+    up_to = KVCACHED_ADAPTS_VLLM_UP_TO.get(kvcached)
+    release = tuple(int(x) for x in (vllm or "").split(".")[:2] if x.isdigit())
+    if up_to is not None and len(release) == 2 and release > up_to:
+        raise UsageError(
+            f"ENABLE_KVCACHED=true, but kvcached {kvcached} adapts vLLM up to "
+            f"{up_to[0]}.{up_to[1]} and this is vLLM {vllm}: each engine would stop at start. "
+            "Use vLLM 0.26 with kvcached (docs/kvcached.md), or leave ENABLE_KVCACHED off"
+        )
+
+
 # ---- GPUs and ports -------------------------------------------------------------------------
 
 

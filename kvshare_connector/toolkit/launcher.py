@@ -11,7 +11,8 @@ Conventions worth knowing:
 * engines that share a GPU start one after the other by default, because vLLM's memory
   profiling at startup misreads memory that another engine is allocating at the same time;
 * ``ENABLE_KVCACHED=true`` implies ``VLLM_USE_V2_MODEL_RUNNER=0`` (kvcached 0.1.6 refuses
-  vLLM 0.26's V2 model runner) unless that variable is set explicitly;
+  vLLM 0.26's V2 model runner) unless that variable is set explicitly, and ``check`` refuses
+  it where kvcached is missing or does not adapt the installed vLLM (0.1.6: up to 0.30);
 * ``--server-cmd`` (or ``KVSHARE_SERVER_CMD``) replaces ``{vllm} serve {model} --host {host}
   --port {port}``, e.g. with tests/support/fake_vllm_server.py; the vLLM options follow it;
   ``{vllm}`` is the ``vllm`` beside the running Python (its virtualenv), else on PATH;
@@ -39,6 +40,7 @@ from typing import Any
 from kvshare_connector.toolkit.checks import (
     UsageError,
     check_gpus,
+    check_kvcached,
     check_ports,
     locate,
     require_command,
@@ -226,10 +228,15 @@ def engine_env(cfg: ServeConfig, gpu: str, side_channel_port: int | None) -> dic
         given = SECRET_ENV in env or os.environ.get(SECRET_ENV)
         if not given and "side_channel_secret" not in cfg.kv_extra_config:
             env[SECRET_ENV] = cfg.side_channel_secret
-    kvcached = (env.get("ENABLE_KVCACHED") or os.environ.get("ENABLE_KVCACHED", "")).lower()
-    if kvcached in ("1", "true") and "VLLM_USE_V2_MODEL_RUNNER" not in env:
+    if kvcached_enabled(env) and "VLLM_USE_V2_MODEL_RUNNER" not in env:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     return env
+
+
+def kvcached_enabled(env: dict[str, str]) -> bool:
+    """``ENABLE_KVCACHED`` on, in an engine's added ``env`` or else in ours."""
+    value = env.get("ENABLE_KVCACHED") or os.environ.get("ENABLE_KVCACHED", "")
+    return value.lower() in ("1", "true")
 
 
 def plan_pd(cfg: ServeConfig) -> list[EngineSpec]:
@@ -343,12 +350,15 @@ def start_waves(engines: Sequence[EngineSpec], parallel: bool | None) -> list[li
 
 
 def check_server(cfg: ServeConfig, engines: Sequence[EngineSpec]) -> None:
-    """The engines' command runs here and, for vLLM itself, their GPUs are visible."""
+    """The engines' command runs here and, for vLLM itself, kvcached can serve them where
+    they ask for it and their GPUs are visible."""
     if custom_server_cmd(cfg.server_cmd) is not None:
         for program in sorted({e.argv[0] for e in engines}):
             require_command(program, "--server-cmd (or KVSHARE_SERVER_CMD)")
         return
     require_executable("vllm", "install vLLM there (pip install vllm) or pass --server-cmd")
+    if any(kvcached_enabled(e.env) for e in engines):
+        check_kvcached()
     gpus = {e.env.get("CUDA_VISIBLE_DEVICES", "") for e in engines}
     check_gpus(gpus, "vLLM engines need one (--server-cmd starts another server instead)")
 
