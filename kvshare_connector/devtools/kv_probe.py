@@ -145,7 +145,7 @@ class KVProbeConnector(KVShareConnector):
         sink = getattr(sink, "sink", sink)  # the KVSink inside a ShardedSink
         if sink is None or getattr(sink, "probe_tamper", False):
             return
-        land = sink._land
+        land = sink.lander.land
 
         def tampered(read: Any) -> None:
             if read.request_id in self._tamper:
@@ -156,7 +156,7 @@ class KVProbeConnector(KVShareConnector):
                     _overwrite_first_block(sink, read)
             land(read)
 
-        sink._land = tampered
+        sink.lander.land = tampered
         sink.probe_tamper = True
 
     def wait_for_save(self) -> None:
