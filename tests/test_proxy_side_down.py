@@ -9,7 +9,10 @@ its kill, and 67-75 of 80 requests failed 502/503 while the other side stood idl
 from __future__ import annotations
 
 import json
-from contextlib import ExitStack
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import httpx
@@ -210,3 +213,86 @@ def test_serve_pd_hands_the_choice_to_its_proxy(argv: list[str], expected: str) 
                                    "--side-down", "retry"])  # fmt: skip
     with pytest.raises(ValueError, match="side_down"):
         ServeConfig(model="m", side_down="retry")
+
+
+@contextmanager
+def cutting_server(before_cut: bytes = b"") -> Iterator[tuple[str, list[str]]]:
+    """A decode killed under a streamed request: it answers 200 with an event stream,
+    sends ``before_cut`` (none: the request was still loading) and closes the connection
+    in the middle of the body; yields its URL and the X-Request-Id of each request."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    seen: list[str] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                head = conn.recv(65536).decode("latin-1").lower()
+                if not head.startswith("post "):  # the proxy's health probe
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                    continue
+                seen.append(head.split("x-request-id:", 1)[-1].split("\r\n", 1)[0].strip())
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
+                if before_cut:
+                    conn.sendall(b"%x\r\n%s\r\n" % (len(before_cut), before_cut))
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", seen
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize("first_token_from_prefill", [True, False])
+def test_a_decode_stream_cut_before_any_of_it_was_relayed_is_finished_by_prefill(
+    first_token_from_prefill: bool, monkeypatch: Any, caplog: Any
+) -> None:
+    """The 2026-12-06 fault run (decode killed at ``sink.read_posted``, one H100): 7 of 80
+    streams broke with decode's stream open and nothing of it relayed yet. Such a stream
+    is prefill's to compute alone: the client's stream is colocated's (after prefill's
+    first token, or whole), with no error event in it."""
+    monkeypatch.setenv("FAKE_PREFILL_LOCAL", "1")
+    with ExitStack() as stack:
+        cutter, seen = stack.enter_context(cutting_server())
+        pre = stack.enter_context(fake_server("prefill", kvshare_params=True))
+        colo = stack.enter_context(fake_server("colocated"))
+        app = create_app([pre.url], [cutter],
+                         fast(first_token_from_prefill=first_token_from_prefill))  # fmt: skip
+        px = stack.enter_context(ThreadServer(app))
+        stack.enter_context(caplog.at_level("INFO"))
+        resp = _ask(px.url, True)
+        base = _ask(colo.url, True)
+        health = httpx.get(px.url + "/health", timeout=10).json()
+    assert resp.status_code == 200 and len(seen) == 1
+    assert not [e for e in sse_events(resp.text) if "error" in e], resp.text
+    assert _text(resp, True) == _text(base, True)
+    assert health["served_alone"] == {"decode": 0, "prefill": 1}
+    assert any("served by prefill alone" in r.getMessage() for r in caplog.records)
+    (plain,) = _plain(pre)
+    given = 1 if first_token_from_prefill else 0  # prefill's first token, already sent
+    assert plain["max_tokens"] == 12 - given
+
+
+@pytest.mark.parametrize("side_down, before_cut", [("alone", b'data: {"choices": []}\n\n'),
+                                                   ("fail", b"")])  # fmt: skip
+def test_a_decode_stream_cut_after_it_was_relayed_or_with_side_down_fail_is_an_error(
+    side_down: str, before_cut: bytes, monkeypatch: Any
+) -> None:
+    """The controls: once decode's stream reached the client, or with ``--side-down
+    fail``, a cut stream ends in a named error event and prefill computes nothing more."""
+    monkeypatch.setenv("FAKE_PREFILL_LOCAL", "1")
+    with ExitStack() as stack:
+        cutter, _ = stack.enter_context(cutting_server(before_cut))
+        pre = stack.enter_context(fake_server("prefill"))
+        options = fast(first_token_from_prefill=False, serve_alone=side_down == "alone")
+        px = stack.enter_context(ThreadServer(create_app([pre.url], [cutter], options)))
+        resp = _ask(px.url, True)
+    data = [line[len("data: "):] for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert "[DONE]" not in data, resp.text  # the stream did not end as a whole answer
+    (error,) = [json.loads(d)["error"] for d in data if "error" in d]
+    assert error["type"] == "backend_dropped" and cutter in error["message"], error
+    assert not _plain(pre) and len(pre.state.requests) == 1

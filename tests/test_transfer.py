@@ -274,8 +274,11 @@ def test_a_packed_read_is_reported_only_once_its_scatter_is_done(peer, decoders,
 
     scatter, poll, seen = packed.sink.packer.scatter, packed.sink.poll, []
 
-    def scatter_running(*args):
-        scatter(*args)
+    plans = []
+
+    def scatter_running(*args, **kwargs):
+        plans.append(kwargs.get("plan"))  # planned while the READ was in flight
+        scatter(*args, **kwargs)
         return Copy(Running())
 
     def watched_poll(spin_s=0.0):
@@ -291,6 +294,7 @@ def test_a_packed_read_is_reported_only_once_its_scatter_is_done(peer, decoders,
     result = packed.read(request, local_ids, new_id("landing"))
     assert_landed(packed, result, local_ids)
     assert result.packed and queries[-1] is True and len(queries) >= 7
+    assert len(plans) == 1 and plans[0] is not None and plans[0].spans, plans
     landing = [used for phase, used in seen if phase is Phase.LAND]
     assert len(landing) >= 2 and all(landing)  # polled while it ran: the slot stayed taken
     assert packed.sink.packer.staging.used == {}  # and came back once it was done

@@ -135,9 +135,10 @@ def test_verified_packed_read_between_layouts(peer, decodes):
     record = record_of(decode.sink, "v-packed")
     assert record.verified == layer_blocks(decode.topology, local_ids)
     # The landing's host parts are in the record (the read log), inside arrived -> launched;
-    # the digest plan was made while the claim was out, so it is a part of its own.
+    # the digest plan (made while the claim was out) and the scatter's (while the READ was)
+    # are parts of their own, before it.
     parts = dict(record.landing_host)
-    assert parts.pop("digest_plan") > 0, record.landing_host
+    assert parts.pop("digest_plan") > 0 and parts.pop("scatter_plan") > 0, record.landing_host
     assert set(parts) == {"release", "scatter", "digests"}, record.landing_host
     launch = record.timeline["launched"] - record.timeline["arrived"]
     assert 0 < sum(parts.values()) <= launch + 1e-3, (record.landing_host, launch)
@@ -365,7 +366,8 @@ def test_a_scatter_into_the_wrong_blocks_fails_the_load(peer, decodes, monkeypat
         decode = decodes(E2B, "per_layer", verify=verify, packed_mib=16, kv_mib=48)
         scatter = decode.sink.packer.scatter
 
-        def shifted(addr, length, slot_offsets, scatter=scatter):
+        def shifted(addr, length, slot_offsets, plan=None, scatter=scatter):
+            # its own plan, of the shifted runs (the one made while the READ flew is not used)
             return scatter(np.roll(addr, 1), np.roll(length, 1), slot_offsets)
 
         monkeypatch.setattr(decode.sink.packer, "scatter", shifted)

@@ -47,11 +47,12 @@ def rows(records: list[dict]) -> list[tuple[str, list[float]]]:
         out.append((f"landing on the host: {part}", [
             r["landing_host"][part] * 1e3 for r in moved if part in (r.get("landing_host") or {})
         ]))  # fmt: skip
-    # verify_kv's digest plan, made while the claim was out: decode's host time, not the load's
-    out.append(("ahead of the READ on the host: digest_plan", [
-        r["landing_host"]["digest_plan"] * 1e3 for r in moved
-        if "digest_plan" in (r.get("landing_host") or {})
-    ]))  # fmt: skip
+    # planned ahead (digests while the claim was out, the scatter while the READ was):
+    # decode's host time, not the load's
+    for part in ("digest_plan", "scatter_plan"):
+        out.append((f"planned ahead on the host: {part}", [
+            r["landing_host"][part] * 1e3 for r in moved if part in (r.get("landing_host") or {})
+        ]))  # fmt: skip
     return [(label, values) for label, values in out if values]
 
 

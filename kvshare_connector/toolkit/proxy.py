@@ -156,8 +156,9 @@ class PDProxy(Legs):
         decode_url: str,
     ) -> Response:
         """The client's stream opens with prefill's token at once; the decode leg is sent
-        behind it. With every decode down a prefill server continues the stream alone;
-        any other decode failure is an error event (the stream is under way)."""
+        behind it. With every decode down, or decode's stream broken before any of it was
+        relayed, a prefill server continues the stream alone; any other decode failure is an
+        error event (the stream is under way)."""
         request_id = headers[REQUEST_ID_HEADER]
 
         async def events() -> AsyncIterator[bytes]:
@@ -175,7 +176,8 @@ class PDProxy(Legs):
                 yield error_event(exc, request_id)
                 return
             edit = count_first_token_as_output
-            async for chunk in relay(resp, url, request_id, self.timeouts, edit, side):
+            rescue = self.rescuer(path, decode_body, headers) if side == "decode" else None
+            async for chunk in relay(resp, url, request_id, self.timeouts, edit, side, rescue):
                 yield chunk
 
         return StreamingResponse(
@@ -249,7 +251,8 @@ class PDProxy(Legs):
 
         def decode_leg(url: str) -> Awaitable[Response]:
             if stream:
-                return self.stream_leg("decode", url, path, decode_body, headers)
+                rescue = self.rescuer(path, body, headers)  # the client's own request
+                return self.stream_leg("decode", url, path, decode_body, headers, rescue)
             return self.run_leg("decode", url, path, decode_body, headers)
 
         try:

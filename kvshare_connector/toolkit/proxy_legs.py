@@ -23,7 +23,7 @@ from kvshare_connector.toolkit.proxy_backends import (
     check_status,
     transport_error,
 )
-from kvshare_connector.toolkit.proxy_streams import open_stream, relay
+from kvshare_connector.toolkit.proxy_streams import Rescue, open_stream, relay
 
 logger = logging.getLogger("kvshare_connector.toolkit.proxy")
 
@@ -129,13 +129,15 @@ class Legs:
         return open_at
 
     async def stream_leg(
-        self, side: str, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
-    ) -> Response:
-        """Open the stream first, so a refused request still gets a proper status."""
+        self, side: str, url: str, path: str, body: dict[str, Any], headers: dict[str, str],
+        rescue: Rescue | None = None,
+    ) -> Response:  # fmt: skip
+        """Open the stream first, so a refused request still gets a proper status
+        (``rescue``: see ``relay``)."""
         request_id = headers[REQUEST_ID_HEADER]
         resp = await self.opener(side, path, body, headers)(url)
         return StreamingResponse(
-            relay(resp, url, request_id, self.timeouts, side=side),
+            relay(resp, url, request_id, self.timeouts, side=side, rescue=rescue),
             status_code=resp.status_code,
             media_type=resp.headers.get("content-type", "text/event-stream"),
             headers={REQUEST_ID_HEADER: request_id},
@@ -143,6 +145,19 @@ class Legs:
 
     def may_serve_alone(self, exc: ProxyError) -> bool:
         return self.options.serve_alone and exc.kind in SIDE_DOWN
+
+    def rescuer(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Rescue:
+        """For a decode stream that broke before any of it reached the client (its server
+        died under the request, ``SIDE_DOWN``): a prefill server computes ``body`` alone,
+        its stream relayed in place of decode's. The client sees one answer, only later."""
+
+        async def rescue(cause: ProxyError) -> tuple[httpx.Response, str, str]:
+            if not self.may_serve_alone(cause):
+                raise cause
+            resp, url = await self.open_alone("prefill", path, body, headers, cause)
+            return resp, url, "prefill"
+
+        return rescue
 
     def count_alone(self, side: str, request_id: str, cause: ProxyError) -> None:
         self.served_alone[side] += 1

@@ -5,12 +5,13 @@ proxy edits a line (first_token.py)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
 
 from kvshare_connector.toolkit.proxy_backends import (
+    ProxyError,
     ProxyTimeouts,
     check_status,
     error_event,
@@ -43,6 +44,11 @@ async def open_stream(
     return resp
 
 
+#: Opens the stream of another server for the same answer, given why the first one broke:
+#: (stream, its server's URL, its side); a ``ProxyError`` when it cannot (``proxy_legs``).
+Rescue = Callable[[ProxyError], Awaitable[tuple[httpx.Response, str, str]]]
+
+
 async def relay(
     resp: httpx.Response,
     url: str,
@@ -50,25 +56,46 @@ async def relay(
     timeouts: ProxyTimeouts,
     edit: Callable[[str], str] | None = None,
     side: str = "decode",
+    rescue: Rescue | None = None,
 ) -> AsyncIterator[bytes]:
     """The stream as it comes (decoded: content-encoding is not relayed), or event by
-    event with each line through ``edit``; a break ends it with an error event."""
-    try:
-        if edit is None:
-            async for chunk in resp.aiter_bytes():
+    event with each line through ``edit``. A break ends it with an error event, unless
+    nothing of it was relayed yet and ``rescue`` opens another server's stream, relayed in
+    its place (a decode that died under its request: prefill computes it alone)."""
+    relayed = False
+    while True:
+        try:
+            async for chunk in _events(resp, edit):
+                relayed = True
                 yield chunk
-        else:
-            event: list[str] = []
-            async for line in resp.aiter_lines():
-                event.append(edit(line) + "\n")
-                if not line:  # an event ends with a blank line
-                    yield "".join(event).encode()
-                    event.clear()
-            if event:
-                yield "".join(event).encode()
-    except httpx.HTTPError as exc:
-        err = transport_error(exc, side, url, timeouts)
-        logger.error("req=%s stream broken: %s", request_id, err.message)
-        yield error_event(err, request_id)
-    finally:
-        await resp.aclose()
+            return
+        except httpx.HTTPError as exc:
+            err = transport_error(exc, side, url, timeouts)
+            logger.error("req=%s stream broken: %s", request_id, err.message)
+        finally:
+            await resp.aclose()
+        if relayed or rescue is None:
+            yield error_event(err, request_id)
+            return
+        try:
+            resp, url, side = await rescue(err)
+        except ProxyError as exc:
+            yield error_event(exc, request_id)
+            return
+        rescue = None
+
+
+async def _events(resp: httpx.Response, edit: Callable[[str], str] | None) -> AsyncIterator[bytes]:
+    """``resp``'s body as it comes, or event by event with each line through ``edit``."""
+    if edit is None:
+        async for chunk in resp.aiter_bytes():
+            yield chunk
+        return
+    event: list[str] = []
+    async for line in resp.aiter_lines():
+        event.append(edit(line) + "\n")
+        if not line:  # an event ends with a blank line
+            yield "".join(event).encode()
+            event.clear()
+    if event:
+        yield "".join(event).encode()

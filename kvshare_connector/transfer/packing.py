@@ -134,6 +134,14 @@ class StagingArea:
         self._free = merged
 
 
+@dataclass(frozen=True)
+class CopyPlan:
+    """A gather's or scatter's word indices, per storage ``(span, word, rows)``, uploaded."""
+
+    spans: list[tuple[Any, int, int]]
+    index: Any  # the KV side's rows, then the staging side's, for each span in turn
+
+
 class Copy:
     """A gather or scatter in flight: ``done()`` once the bytes are in place."""
 
@@ -188,30 +196,25 @@ class Packer:
         after_compute: bool = True,
     ) -> Copy:  # fmt: skip
         """Copy runs ``(addr, length)`` of the KV memory to ``slot_offsets`` of the area;
-        ``after_compute``: behind what the compute stream has queued (see ``_copy``)."""
+        ``after_compute``: behind what the compute stream has queued (see ``_launch``)."""
         return self._copy(addr, length, slot_offsets, to_staging=True, wait=after_compute)
 
-    def scatter(self, addr: np.ndarray, length: np.ndarray, slot_offsets: np.ndarray) -> Copy:
-        """Copy ``slot_offsets`` of the area (``length`` each) back to runs at ``addr``."""
-        return self._copy(addr, length, slot_offsets, to_staging=False)
-
-    def _copy(
-        self, addr: np.ndarray, length: np.ndarray, staged: np.ndarray, to_staging: bool,
-        wait: bool = True,
+    def scatter(
+        self, addr: np.ndarray, length: np.ndarray, slot_offsets: np.ndarray,
+        plan: CopyPlan | None = None,
     ) -> Copy:  # fmt: skip
-        """On the side stream, by default behind all the compute stream has queued. Not
-        waiting is for bytes whose writes are known to be done: with vLLM's async
-        scheduling the next step's forward is queued by then, and waiting for it cost a
-        whole step."""
+        """Copy ``slot_offsets`` of the area (``length`` each) back to runs at ``addr``;
+        ``plan``: made by ``plan_copy`` for these runs beforehand (decode: while the READ
+        into the slot is in flight), so only the launch is left here."""
+        plan = plan or self.plan_copy(addr, length, slot_offsets)
+        return self._launch(plan, to_staging=False, wait=True)
+
+    def plan_copy(self, addr: np.ndarray, length: np.ndarray, staged: np.ndarray) -> CopyPlan:
+        """The word indices of a copy between runs ``(addr, length)`` of the KV memory and
+        offsets ``staged`` of the area, per storage, uploaded in one go (on the side
+        stream, so a copy launched there later is ordered after it)."""
         import torch
 
-        if addr.size == 0:
-            return Copy(None)
-        device = self.staging.buffer.device
-        stream = self._stream
-        if stream is not None and wait:
-            stream.wait_stream(torch.cuda.current_stream(device))
-        context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         plans, parts = [], []
         for span, rows in self.memory.split(addr, length):
             offsets = addr[rows] - span.start
@@ -219,10 +222,37 @@ class Packer:
             kv_idx = word_indices(offsets, length[rows], word)
             parts += [kv_idx, word_indices(staged[rows], length[rows], word)]
             plans.append((span, word, kv_idx.size))
+        if not plans:
+            return CopyPlan([], None)
+        stream = self._stream
+        context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with context:
-            index = upload(np.concatenate(parts), device)  # one upload for every span
-            first = 0
-            for span, word, n in plans:
+            index = upload(np.concatenate(parts), self.staging.buffer.device)
+        return CopyPlan(plans, index)
+
+    def _copy(
+        self, addr: np.ndarray, length: np.ndarray, staged: np.ndarray, to_staging: bool,
+        wait: bool = True,
+    ) -> Copy:  # fmt: skip
+        return self._launch(self.plan_copy(addr, length, staged), to_staging, wait)
+
+    def _launch(self, plan: CopyPlan, to_staging: bool, wait: bool) -> Copy:
+        """On the side stream, by default behind all the compute stream has queued. Not
+        waiting is for bytes whose writes are known to be done: with vLLM's async
+        scheduling the next step's forward is queued by then, and waiting for it cost a
+        whole step."""
+        import torch
+
+        if not plan.spans:
+            return Copy(None)
+        device = self.staging.buffer.device
+        stream = self._stream
+        if stream is not None and wait:
+            stream.wait_stream(torch.cuda.current_stream(device))
+        context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with context:
+            index, first = plan.index, 0
+            for span, word, n in plan.spans:
                 kv_i, st_i = index[first : first + n], index[first + n : first + 2 * n]
                 first += 2 * n
                 kv = MemoryMap.rows_of(span, word)

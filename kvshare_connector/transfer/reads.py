@@ -23,7 +23,7 @@ from kvshare_connector.layout.staging import PackedRead
 from kvshare_connector.layout.topology import BlockIds
 from kvshare_connector.transfer import kv_params, protocol
 from kvshare_connector.transfer.digests import DigestPlan, PendingDigests
-from kvshare_connector.transfer.packing import Copy
+from kvshare_connector.transfer.packing import Copy, CopyPlan
 
 
 class Phase(enum.Enum):
@@ -106,6 +106,7 @@ class Read:
     transfer: Transfer | None = None
     landing: Landing | None = None
     digest_plan: DigestPlan | None = None  # verify_kv: planned while the claim is out
+    scatter_plan: CopyPlan | None = None  # packed: planned while the READ is in flight
     verified: int = 0
     marks: dict[str, float] = field(default_factory=dict)  # phase -> s since created
     landing_host: dict[str, float] = field(default_factory=dict)  # TransferRecord's

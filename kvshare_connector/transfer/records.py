@@ -37,8 +37,8 @@ class TransferRecord:
     prefill_answer_s: float | None = None
     claims: int = 1  # claims sent before prefill held the request for this reader
     # decode's host seconds of the landing (arrived -> launched), by part: "release" (NIXL's
-    # handle), "scatter" (its plan, upload and launch), "digests" (verify_kv's launch); and
-    # "digest_plan", made while the claim was out (not on the load's path)
+    # handle), "scatter" and "digests" (verify_kv) launched; and, off the load's path,
+    # "digest_plan" (made while the claim was out), "scatter_plan" (while the READ was)
     landing_host: dict[str, float] = field(default_factory=dict)
 
 

@@ -342,6 +342,7 @@ class KVSink:
         read.phase = Phase.READ
         read.mark("posted")
         failpoint("sink.read_posted")
+        self.lander.plan_scatter(read)  # while the bytes are on their way
 
     def _finish(self, read: Read) -> None:
         t, plan, grant = read.transfer, read.plan, read.grant
