@@ -60,7 +60,9 @@ class PendingDigests:
 @dataclass(frozen=True)
 class _GroupWork:
     """Layers whose blocks have one size and one gathered word in one storage: one gather
-    and one multiply-sum for all of them (E2B: two groups for its 15 owner layers)."""
+    and one multiply-sum for all of them (E2B's 15 owner layers: 3 groups in vLLM's own
+    layout, where layers of different KV cache groups share a tensor; 1 under kvcached
+    contiguous)."""
 
     span: Any  # the storage the layers' blocks lie in
     word: int  # bytes per gathered row
@@ -108,7 +110,7 @@ class Digester:
         """Digest every owner layer's ``block_ids`` (per group; null blocks are skipped),
         after the copy ``after`` (decode: the scatter into those blocks) if one is given,
         and behind what the compute stream has queued unless ``after_compute`` is False
-        (``Packer._copy`` says when that is right)."""
+        (``Packer._launch`` says when that is right)."""
         return self.launch(self.plan(topology, block_ids), after, after_compute)
 
     def plan(self, topology: KVTopology, block_ids: Sequence[Sequence[int]]) -> DigestPlan:
