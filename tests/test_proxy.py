@@ -8,7 +8,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -341,10 +341,13 @@ def test_only_a_refused_connection_is_tried_elsewhere() -> None:
 
 
 @contextmanager
-def dropping_server() -> Iterator[tuple[str, list[str]]]:
-    """A server that reads each request and closes the connection without answering (an
-    engine killed with the request on it); yields its URL and the X-Request-Id of each
-    request it read."""
+def socket_server(
+    reply: Callable[[socket.socket, str], None] = lambda conn, head: None,
+) -> Iterator[tuple[str, list[str]]]:
+    """A raw HTTP server: each connection's request head (lower case) goes to ``reply``,
+    then the connection closes; yields its URL and the X-Request-Id of each request read
+    (health probes aside). The default reply is none: an engine killed with the request
+    on it, which answers no health probe either."""
     listener = socket.create_server(("127.0.0.1", 0))
     seen: list[str] = []
 
@@ -356,14 +359,20 @@ def dropping_server() -> Iterator[tuple[str, list[str]]]:
                 return
             with conn:
                 head = conn.recv(65536).decode("latin-1").lower()
-                rid = head.split("x-request-id:", 1)[-1].split("\r\n", 1)[0].strip()
-                seen.append(rid)
+                if not head.startswith("get /health"):  # not a proxy's health probe
+                    seen.append(head.split("x-request-id:", 1)[-1].split("\r\n", 1)[0].strip())
+                reply(conn, head)
 
     threading.Thread(target=serve, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{listener.getsockname()[1]}", seen
     finally:
         listener.close()
+
+
+def dropping_server() -> Any:
+    """A server that reads each request and closes the connection without answering."""
+    return socket_server()
 
 
 def test_a_prefill_that_drops_the_request_is_sent_to_another(caplog: Any) -> None:

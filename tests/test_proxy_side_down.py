@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from typing import Any
 
 import httpx
@@ -23,7 +21,7 @@ from kvshare_connector.toolkit.proxy import create_app
 
 from .support.fake_vllm_server import ThreadServer, fake_server
 from .support.pd_stack import QUESTION, fast, sse_events
-from .test_proxy import dropping_server
+from .test_proxy import dropping_server, socket_server
 
 
 def _ask(url: str, stream: bool, **extra: Any) -> httpx.Response:
@@ -215,36 +213,21 @@ def test_serve_pd_hands_the_choice_to_its_proxy(argv: list[str], expected: str) 
         ServeConfig(model="m", side_down="retry")
 
 
-@contextmanager
-def cutting_server(before_cut: bytes = b"") -> Iterator[tuple[str, list[str]]]:
+def cutting_server(before_cut: bytes = b"") -> Any:
     """A decode killed under a streamed request: it answers 200 with an event stream,
     sends ``before_cut`` (none: the request was still loading) and closes the connection
     in the middle of the body; yields its URL and the X-Request-Id of each request."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    seen: list[str] = []
 
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            with conn:
-                head = conn.recv(65536).decode("latin-1").lower()
-                if not head.startswith("post "):  # the proxy's health probe
-                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
-                    continue
-                seen.append(head.split("x-request-id:", 1)[-1].split("\r\n", 1)[0].strip())
-                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                             b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
-                if before_cut:
-                    conn.sendall(b"%x\r\n%s\r\n" % (len(before_cut), before_cut))
+    def reply(conn: socket.socket, head: str) -> None:
+        if head.startswith("get /health"):  # up until the request it dies under
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            return
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
+        if before_cut:
+            conn.sendall(b"%x\r\n%s\r\n" % (len(before_cut), before_cut))
 
-    threading.Thread(target=serve, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}", seen
-    finally:
-        listener.close()
+    return socket_server(reply)
 
 
 @pytest.mark.parametrize("first_token_from_prefill", [True, False])
