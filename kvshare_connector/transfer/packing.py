@@ -197,7 +197,8 @@ class Packer:
     ) -> Copy:  # fmt: skip
         """Copy runs ``(addr, length)`` of the KV memory to ``slot_offsets`` of the area;
         ``after_compute``: behind what the compute stream has queued (see ``_launch``)."""
-        return self._copy(addr, length, slot_offsets, to_staging=True, wait=after_compute)
+        plan = self.plan_copy(addr, length, slot_offsets)
+        return self._launch(plan, to_staging=True, wait=after_compute)
 
     def scatter(
         self, addr: np.ndarray, length: np.ndarray, slot_offsets: np.ndarray,
@@ -229,12 +230,6 @@ class Packer:
         with context:
             index = upload(np.concatenate(parts), self.staging.buffer.device)
         return CopyPlan(plans, index)
-
-    def _copy(
-        self, addr: np.ndarray, length: np.ndarray, staged: np.ndarray, to_staging: bool,
-        wait: bool = True,
-    ) -> Copy:  # fmt: skip
-        return self._launch(self.plan_copy(addr, length, staged), to_staging, wait)
 
     def _launch(self, plan: CopyPlan, to_staging: bool, wait: bool) -> Copy:
         """On the side stream, by default behind all the compute stream has queued. Not
