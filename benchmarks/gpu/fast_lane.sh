@@ -20,7 +20,9 @@
 #   serve2k  vllm serve + vllm bench serve: ours (packed), NixlConnector, colocated; 2k in,
 #            concurrency SERVE_CONC (default 16; 64 prompts at 16, 8 at 1), 3 rounds rotated,
 #            all up at once; read timelines kept; SERVE_KV_GIB of KV per engine (default 5, for
-#            an H200: on an H100 the fifth engine ran out of memory at start, 2026-12-06: use 2)
+#            an H200: on an H100 the fifth engine ran out of memory at start, 2026-12-06: use 2);
+#            SERVE_EAGER=1: no CUDA graphs nor torch.compile (engines start in about half the
+#            time; use it on both stacks when comparing them)
 #   serve8k  the same at 8k (48 prompts per round)
 #   serve    one run for the latency and verify_kv changes (issues 21, 26): ours with
 #            verify_kv (its default), ours without, ours as it was before them (the tree in
@@ -92,7 +94,8 @@ serve() {  # LEN PROMPTS NAME (PROMPTS at concurrency 16)
   # shellcheck disable=SC2086
   python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/$3" \
     --deployments ours nixl colocated --prefill-gpu 0 --decode-gpu 0 --colocated-gpu 0 \
-    --gpu-mem 0.13 --kv-cache-gib "${SERVE_KV_GIB:-5}" --input-len "$1" --concurrency ${SERVE_CONC:-16} \
+    --gpu-mem 0.13 --kv-cache-gib "${SERVE_KV_GIB:-5}" ${SERVE_EAGER:+--enforce-eager} \
+    --input-len "$1" --concurrency ${SERVE_CONC:-16} \
     --num-prompts 0 --prompts-per-slot $(($2 / 16)) --min-prompts 8 \
     --output-len 64 --rounds 3 --warmup-requests 4 --time-budget "${TIME_BUDGET:-330}" --grace 10 --keep-raw \
     > "$OUT/$3.log" 2>&1
