@@ -1,15 +1,20 @@
 #!/usr/bin/env python3
 """Where a load's time went, from decode read logs (``read_log``): per phase of the read's
 timeline (``transfer/records.py``), per step between phases, and the landing's host parts,
-the p50 / p90 / p99 / max in milliseconds, as a markdown table.
+the p50 / p90 / p99 / max in milliseconds, as a markdown table; and the effective rate of
+issue 21's target, bytes over posted -> landed (the READ and the scatter: bytes in place).
+``--runs GAP`` adds a line per run: reads apart by more than GAP s of quiet begin a new one
+(a serving benchmark's runs, e.g. concurrency 1 and 16, sit seconds apart).
 
-    python -m benchmarks.gpu.read_timeline RAW/reads/ours-decode0.jsonl [...]
+    python -m benchmarks.gpu.read_timeline RAW/reads/ours-decode0.jsonl [...] [--runs 5]
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -53,7 +58,45 @@ def rows(records: list[dict]) -> list[tuple[str, list[float]]]:
         out.append((f"planned ahead on the host: {part}", [
             r["landing_host"][part] * 1e3 for r in moved if part in (r.get("landing_host") or {})
         ]))  # fmt: skip
+    out.append(("posted -> landed, effective GB/s (not ms)", effective_gbps(moved)))
     return [(label, values) for label, values in out if values]
+
+
+def effective_gbps(records: list[dict]) -> list[float]:
+    """Bytes over posted -> landed, per read, in GB/s."""
+    rates = []
+    for r in records:
+        t = r.get("timeline") or {}
+        if r.get("bytes") and "posted" in t and "landed" in t and t["landed"] > t["posted"]:
+            rates.append(r["bytes"] / (t["landed"] - t["posted"]) / 1e9)
+    return rates
+
+
+def split_runs(records: list[dict], gap_s: float) -> list[list[dict]]:
+    """Reads in the order they were logged, cut where more than ``gap_s`` passed."""
+    timed = sorted((r for r in records if r.get("bytes") and "time" in r), key=lambda r: r["time"])
+    runs: list[list[dict]] = []
+    for r in timed:
+        if not runs or r["time"] - runs[-1][-1]["time"] > gap_s:
+            runs.append([])
+        runs[-1].append(r)
+    return runs
+
+
+def runs_table(records: list[dict], gap_s: float) -> str:
+    lines = ["| run | reads | MB per read p50 | posted -> arrived p50 ms | posted -> landed p50 ms "
+             "| effective GB/s p50 | best |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for i, run in enumerate(split_runs(records, gap_s)):
+        t = [r["timeline"] for r in run if "posted" in r.get("timeline", {})]
+        arrived = [(x["arrived"] - x["posted"]) * 1e3 for x in t if "arrived" in x]
+        landed = [(x["landed"] - x["posted"]) * 1e3 for x in t if "landed" in x]
+        rates = effective_gbps(run)
+        cells = [statistics.median(v) if v else float("nan") for v in (arrived, landed, rates)]
+        best = max(rates) if rates else float("nan")
+        mb = statistics.median(r["bytes"] for r in run) / 1e6
+        lines.append(f"| {i} | {len(run)} | {mb:.1f} | {cells[0]:.2f} | {cells[1]:.2f} | "
+                     f"{cells[2]:.1f} | {best:.1f} |")  # fmt: skip
+    return "\n".join(lines)
 
 
 def table(records: list[dict]) -> str:
@@ -66,9 +109,16 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(paths: list[str]) -> int:
-    records = [json.loads(line) for p in paths for line in Path(p).read_text().splitlines()]
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("paths", nargs="+", help="decode read logs (JSON lines)")
+    p.add_argument("--runs", type=float, metavar="GAP", help="also a line per run")
+    args = p.parse_args(argv)
+    records = [json.loads(line) for f in args.paths for line in Path(f).read_text().splitlines()]
     print(table(records))
+    if args.runs:
+        print()
+        print(runs_table(records, args.runs))
     return 0
 
 

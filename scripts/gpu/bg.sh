@@ -7,13 +7,14 @@
 #                                             OUT=/tmp/bg/NAME/out; its output in /tmp/bg/NAME/log
 #   bash scripts/gpu/bg.sh wait NAME [S]      until NAME ends or S s (default 540) have passed
 #   bash scripts/gpu/bg.sh collect NAME [S]   wait, then NAME's out and log as $OUT/NAME.tgz
+#   bash scripts/gpu/bg.sh stop NAME [S]      SIGTERM to NAME's session, then wait up to S s (60)
 #   bash scripts/gpu/bg.sh status             a line per job: running, or its exit status
 #
 # The copy leaves out the stacks' parts (.gpu/cNN, .gpu033/cNN): a job never reads them, and a
 # later call that carries other parts must not change the tree a running job imports from.
 set -u
 BG=/tmp/bg
-cmd=${1:?start, wait, collect or status}
+cmd=${1:?start, stop, wait, collect or status}
 name=${2:-}
 job=$BG/$name
 
@@ -37,9 +38,15 @@ case "$cmd" in
     tar cf - --exclude='./.gpu/c[0-9]*' --exclude='./.gpu033/c[0-9]*' --exclude=./.git \
       --exclude='./.venv*' --exclude=./results . \
       | tar xf - -C "$job/tree"
-    (cd "$job/tree" && OUT="$job/out" setsid bash -c "$3; echo \$? > '$job/rc'" \
-      > "$job/log" 2>&1 < /dev/null & echo $! > "$job/pid")
+    # The job writes its own pid: under job control (the device runner's `set -m`) setsid
+    # forks, and the pid of the process started here is gone at once.
+    (cd "$job/tree" && OUT="$job/out" setsid bash -c "echo \$\$ > '$job/pid'; $3; echo \$? > '$job/rc'" \
+      > "$job/log" 2>&1 < /dev/null &)
     echo "bg $name: started ($3)"
+    ;;
+  stop)  # SIGTERM to the job's session (bench_serving stops its engines on it), then wait
+    pid=$(cat "$job/pid" 2>/dev/null) && kill -TERM -- "-$pid" 2>/dev/null
+    wait_for "$name" "${3:-60}"
     ;;
   wait) wait_for "$name" "${3:-540}"; tail -n 20 "$job/log" 2>/dev/null ;;
   collect)
@@ -49,5 +56,5 @@ case "$cmd" in
     tar czf "$OUT/$name.tgz" -C "$job" out log
     ;;
   status) for d in "$BG"/*/; do [ -d "$d" ] && echo "bg $(basename "$d"): $(state "$(basename "$d")")"; done ;;
-  *) echo "bg.sh: start, wait, collect or status, not $cmd" >&2; exit 2 ;;
+  *) echo "bg.sh: start, stop, wait, collect or status, not $cmd" >&2; exit 2 ;;
 esac
