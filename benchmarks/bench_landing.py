@@ -6,10 +6,11 @@ On one H200 (results/gpu/2026-12-04) a 16k request's packed READ took 0.15-0.42 
 arrived -> landed (scatter and digests) took 10-15 ms, and block by block spent 28 ms
 between the claim and the READ posted. This times the host's share of each step, with
 vLLM-laid-out CPU tensors (``devtools.cpu_stack``):
-- the descriptors (``transfer_descriptors``), NIXL's preparation of them (no post), and the
-  packed plan (``packed_read_of``), all before the READ;
-- the index plans of the scatter (``word_indices``) and of the digests (``Digester.plan``,
-  which decode makes while its claim is out, off the load's path);
+- the descriptors (``transfer_descriptors``) and NIXL's preparation of them (no post),
+  before the READ;
+- the packed plan (``packed_read_of``) and the index plans of the scatter (``word_indices``)
+  and of the digests (``Digester.plan``), which decode makes while its claim is out, off
+  the load's path;
 - comparing the digests (``compare``).
 
 It also times the scatter and the digests whole. On the CPU their copies run inline, so
@@ -105,24 +106,22 @@ def main(argv: list[str] | None = None) -> int:
     layout = PackedLayout.of(request_descriptors(topo, prefill_ids))
     ms, packed = timed(lambda: packed_read_of(topo, prefill_ids, layout.nbytes, local, remote),
                        args.repeat)  # fmt: skip
-    rows.append(("packed plan (packed_read_of)", ms, f"{packed.nbytes:,} bytes"))
+    rows.append(("packed plan (packed_read_of; made while the claim is out)", ms,
+                 f"{packed.nbytes:,} bytes"))  # fmt: skip
     s = packed.scatter
     packer = demo.cpu_packer(stack, max(64, packed.nbytes >> 20) + 16)
-    staged = packer.staging.allocate(packed.nbytes)
-    assert staged is not None
-    offsets, lengths = staged + s[:, 1], s[:, 2]
+    offsets, lengths = s[:, 1], s[:, 2]  # in the slot: planned before it is allocated
     ms, idx = timed(lambda: word_indices(offsets, lengths, word_size(offsets, lengths)),
                     args.repeat)  # fmt: skip
-    rows.append(("scatter index plan, staging side (word_size + word_indices)", ms,
+    rows.append(("scatter index plan, staging side (word_size + word_indices; ahead)", ms,
                  f"{idx.size:,} words"))  # fmt: skip
-    packer.staging.release(staged)
     digester = demo.cpu_digester(stack)
     ms, plan = timed(lambda: digester.plan(topo, decode_ids), args.repeat)
     rows.append(("digest plan (Digester.plan; made while the claim is out)", ms,
                  f"{len(topo.owners)} layers in {len(plan.groups)} gathers"))  # fmt: skip
     slot = packer.staging.allocate(packed.nbytes)
     assert slot is not None
-    ms, _ = timed(lambda: packer.scatter(s[:, 0], s[:, 2], slot + s[:, 1]), args.repeat)
+    ms, _ = timed(lambda: packer.scatter(s[:, 0], s[:, 2], s[:, 1], slot=slot), args.repeat)
     rows.append(("scatter, whole (CPU: the copy runs inline)", ms, ""))
     ms, pending = timed(lambda: digester.start(topo, decode_ids), args.repeat)
     rows.append(("digests, whole (CPU: the sums run inline)", ms, ""))

@@ -13,6 +13,8 @@
 # Then, on the host, one run per part, back to back, each carrying .gpu033/bin and one
 # .gpu033/cNN and running `bash scripts/gpu/install033.sh`; the run that brings the last part
 # installs into /tmp/site033. Later runs: `bash scripts/gpu/install033.sh && . scripts/gpu/env033.sh`.
+# The part-carrying runs can overlap GPU work: start a step with `bash scripts/gpu/bg.sh start`
+# first (2026-12-06b: the 0.26 serving run ran while the 45 parts of 58 MiB came in).
 # Downloads are cached in $GPU033_STAGE_DIR (default /tmp/gpu033-stage); needs Python 3 with pip.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -38,8 +38,11 @@ def tensors_of(stack) -> list:
     return list(stack.kv_caches.values())  # views of the cross-layer tensor where there is one
 
 
-def move(prefill, decode, remote_ids, local_ids, corrupt: bool = False) -> int:
-    """Prefill gathers its held blocks, decode READs (a copy here) and scatters; bytes moved."""
+def move(prefill, decode, remote_ids, local_ids, corrupt: bool = False, slot_lost: bool = False):
+    """Prefill gathers its held blocks, decode READs (a copy here) into a slot that is not
+    the area's first and scatters, with the scatter planned before the slot was known (as
+    decode plans while its claim is out); bytes moved. Negative controls: ``corrupt`` reads
+    a page off, ``slot_lost`` launches the plan at the area's start instead of the slot."""
     (p_stack, p_topo), (d_stack, d_topo) = prefill, decode
     layout = PackedLayout.of(request_descriptors(p_topo, remote_ids))
     p_area = StagingArea(layout.nbytes + ALIGN, "cpu")
@@ -53,15 +56,18 @@ def move(prefill, decode, remote_ids, local_ids, corrupt: bool = False) -> int:
     )
     plan = packed_read(layout, local_rows, remote_rows)
     assert len(plan.read_remote) <= len(layout.addr)  # a few large runs, not one per block
-    d_area = StagingArea(plan.nbytes + ALIGN, "cpu")
+    d_area = StagingArea(plan.nbytes + 2 * ALIGN, "cpu")
+    d_packer, scatter = Packer(MemoryMap(tensors_of(d_stack)), d_area), plan.scatter
+    ahead = d_packer.plan_copy(scatter[:, 0], scatter[:, 2], scatter[:, 1])
+    assert d_area.allocate(1) == 0  # another read's slot
     d_slot = d_area.allocate(plan.nbytes)
+    assert d_slot == ALIGN
+    d_area.buffer[:] = 0xA5  # what the staging held before
     for (r_off, n), (l_off, _) in zip(plan.read_remote, plan.read_local, strict=True):
         src = p_slot + r_off + (ALIGN if corrupt else 0)  # negative control: a page off
         d_area.buffer[d_slot + l_off : d_slot + l_off + n] = p_area.buffer[src : src + n]
-    scatter = plan.scatter
-    Packer(MemoryMap(tensors_of(d_stack)), d_area).scatter(
-        scatter[:, 0], scatter[:, 2], d_slot + scatter[:, 1]
-    ).wait()
+    launch_at = 0 if slot_lost else d_slot
+    d_packer.scatter(scatter[:, 0], scatter[:, 2], scatter[:, 1], slot=launch_at, plan=ahead).wait()
     return plan.nbytes
 
 
@@ -80,13 +86,14 @@ def test_packed_transfer_lands_every_block(model, prefill_layout, decode_layout)
     assert kvcheck.nonzero_blocks_outside(decode[0].kv_caches, decode[1], local_ids) == []
 
 
-def test_packed_transfer_negative_control_is_caught():
+@pytest.mark.parametrize("control", ["corrupt", "slot_lost"])
+def test_packed_transfer_negative_control_is_caught(control):
     prefill, decode = fresh("gemma4_e2b_shape", "per_layer"), fresh("gemma4_e2b_shape", "per_layer")
     counts = [6] * len(prefill[1].groups)
     remote_ids = disjoint_block_ids(prefill[1].num_blocks, counts, seed=5)
     local_ids = disjoint_block_ids(decode[1].num_blocks, counts, seed=6)
     kvcheck.fill(prefill[0].kv_caches, prefill[1], remote_ids)
-    move(prefill, decode, remote_ids, local_ids, corrupt=True)
+    move(prefill, decode, remote_ids, local_ids, **{control: True})
     assert kvcheck.mismatches(decode[0].kv_caches, decode[1], local_ids) != []
 
 

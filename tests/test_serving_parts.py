@@ -218,3 +218,29 @@ def test_fault_options_that_do_not_go_together_are_refused(argv: list[str], mess
     with pytest.raises(SystemExit):
         bench_serving.main(["--out", "/tmp/x", "--model-dir", "/m", "--mode", "faults", *argv])
     assert message in capsys.readouterr().err
+
+
+def test_a_lone_engine_gets_the_benchmarks_flags(tmp_path: Path) -> None:
+    """``fast_lane.sh kvcached033`` starts one ``vllm serve`` outside a benchmark: it gets the
+    flags the benchmark's engines get (2026-12-06b: without them the engine stopped on the
+    tokenizer, then on ``--hf-overrides`` quoted twice, before kvcached could say anything)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from benchmarks.gpu.serving import deployments
+    from kvshare_connector.devtools.cpu_stack import model_dir
+
+    model = model_dir("gemma4_e2b_shape", tmp_path)
+    flags = deployments.engine_flags(model)
+    assert flags[flags.index("--tokenizer") + 1].startswith(tempfile.gettempdir())
+    assert json.loads(flags[flags.index("--hf-overrides") + 1]) == {"global_head_dim": 512}
+    assert flags[flags.index("--attention-backend") + 1] == "TRITON_ATTN"
+    assert "--enforce-eager" in flags
+    assert flags[flags.index("--kv-cache-memory-bytes") + 1] == str(2 << 30)
+    root = Path(deployments.__file__).resolve().parents[3]
+    command = [sys.executable, "-m", "benchmarks.gpu.serving.deployments", str(model)]
+    printed = subprocess.run(
+        command, capture_output=True, text=True, check=True, cwd=root, timeout=120
+    )
+    assert printed.stdout.splitlines() == flags

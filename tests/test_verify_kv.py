@@ -38,8 +38,8 @@ E2B = "gemma4_e2b_shape"
 SOURCES = [
     {"name": "tiny", "model": "g4tiny", "layout": "per_layer", "requests": 4, "seed": 10,
      "verify": True, "corrupt": [2, 3]},
-    {"name": "packed", "model": E2B, "layout": "kvcached_contiguous", "requests": 2,
-     "seed": 20, "verify": True, "corrupt": [1], "packed_mib": 16, "kv_mib": 64},
+    {"name": "packed", "model": E2B, "layout": "kvcached_contiguous", "requests": 4,
+     "seed": 20, "verify": True, "corrupt": [1], "packed_mib": 32, "kv_mib": 64},
     {"name": "plain", "model": "g4tiny", "layout": "per_layer", "requests": 1, "seed": 30},
     # tamper cases: request 2i read with verify_kv, 2i+1 without (the negative control)
     {"name": "tamper", "model": "g4tiny", "layout": "per_layer", "requests": 10, "seed": 40,
@@ -142,6 +142,62 @@ def test_verified_packed_read_between_layouts(peer, decodes):
     assert set(parts) == {"release", "scatter", "digests"}, record.landing_host
     launch = record.timeline["launched"] - record.timeline["arrived"]
     assert 0 < sum(parts.values()) <= launch + 1e-3, (record.landing_host, launch)
+
+
+def spy_scatter_plans(decode, monkeypatch, ahead_size_off: int = 0):
+    """The scatter plans ``Lander`` made while a claim was out, and the plans the scatters
+    used; ``ahead_size_off`` makes the plan ahead expect another packed size."""
+    lander = decode.sink.lander
+    packer = lander.packer
+    made, used = {}, []
+    real_ahead, real_scatter = lander.plan_ahead, packer.scatter
+
+    def plan_ahead(read, prefill):
+        real_ahead(read, prefill)
+        if read.packed_ahead is not None and ahead_size_off:
+            read.packed_ahead = dataclasses.replace(
+                read.packed_ahead, prefill_nbytes=read.packed_ahead.prefill_nbytes + ahead_size_off
+            )
+        if read.scatter_plan is not None:
+            made[id(read.scatter_plan)] = (read.phase, read.scatter_plan)
+
+    def scatter(*args, **kwargs):
+        used.append(kwargs.get("plan"))
+        return real_scatter(*args, **kwargs)
+
+    monkeypatch.setattr(lander, "plan_ahead", plan_ahead)
+    monkeypatch.setattr(packer, "scatter", scatter)
+    return made, used
+
+
+def test_packed_read_scatters_with_the_plan_made_while_its_claim_was_out(
+    peer, decodes, monkeypatch
+):
+    """The packed READ and its scatter are planned before the claim's answer (the plan in
+    slot-relative offsets), and the scatter only launches it."""
+    decode = decodes(E2B, "per_layer", verify=True, packed_mib=16, kv_mib=48)
+    made, used = spy_scatter_plans(decode, monkeypatch)
+    result, _ = decode.read(peer.request("packed", 2), 6, "v-packed-ahead")
+
+    assert result.done and result.packed, result.failure
+    assert result.mismatches == []
+    assert [phase.name for phase, _ in made.values()] == ["CLAIM"]
+    assert len(used) == 1 and used[0] is next(iter(made.values()))[1]
+
+
+def test_packed_read_planned_for_another_size_is_planned_again_at_the_post(
+    peer, decodes, monkeypatch
+):
+    """Control for the test above: a plan ahead that expects another packed size than
+    prefill's grant says is not used; the post plans the packed READ and its scatter."""
+    decode = decodes(E2B, "per_layer", verify=True, packed_mib=16, kv_mib=48)
+    made, used = spy_scatter_plans(decode, monkeypatch, ahead_size_off=4096)
+    result, _ = decode.read(peer.request("packed", 3), 7, "v-packed-replanned")
+
+    assert result.done and result.packed, result.failure
+    assert result.mismatches == []
+    assert len(made) == 1 and len(used) == 1
+    assert used[0] is not None and used[0] is not next(iter(made.values()))[1]
 
 
 def test_kv_changed_after_prefill_digested_it_fails_the_load(peer, decodes):
@@ -366,9 +422,9 @@ def test_a_scatter_into_the_wrong_blocks_fails_the_load(peer, decodes, monkeypat
         decode = decodes(E2B, "per_layer", verify=verify, packed_mib=16, kv_mib=48)
         scatter = decode.sink.packer.scatter
 
-        def shifted(addr, length, slot_offsets, plan=None, scatter=scatter):
-            # its own plan, of the shifted runs (the one made while the READ flew is not used)
-            return scatter(np.roll(addr, 1), np.roll(length, 1), slot_offsets)
+        def shifted(addr, length, staged, slot=0, plan=None, scatter=scatter):
+            # its own plan, of the shifted runs (the one made while the claim was out is not used)
+            return scatter(np.roll(addr, 1), np.roll(length, 1), staged, slot=slot)
 
         monkeypatch.setattr(decode.sink.packer, "scatter", shifted)
         request = peer.request("tamper_packed", 0 if verify else 1)

@@ -227,12 +227,7 @@ for step in "$@"; do
         echo "kvcached build: exit $?" >> "$log"
       fi
       # The flags every bench_serving engine gets (tokenizer, Gemma-4 overrides, attention).
-      mapfile -t flags < <(python3 -c 'import argparse, sys
-from pathlib import Path
-from benchmarks.gpu.serving.deployments import resolve_tokenizer, serve_args
-ns = argparse.Namespace(tokenizer=None, tokenizer_vocab=4096, attention_backend="auto",
-                        prefix_caching=False, enforce_eager=True, kv_cache_gib=2, serve_args="")
-m = Path(sys.argv[1]); print("\n".join(serve_args(m, resolve_tokenizer(m, ns), ns)))' "$E2B")
+      mapfile -t flags < <(python3 -m benchmarks.gpu.serving.deployments "$E2B")
       ENABLE_KVCACHED=true KVCACHED_AUTOPATCH=1 PYTHONPATH="/tmp/kvcached033:$PYTHONPATH" \
         vllm serve "$E2B" --port 8193 --gpu-memory-utilization 0.2 --max-model-len 4096 \
         "${flags[@]}" >> "$log" 2>&1 &

@@ -162,6 +162,13 @@ def word_indices(starts: np.ndarray, lengths: np.ndarray, word: int) -> np.ndarr
     return np.repeat(first, counts) + ramp
 
 
+def packed_layout_of(prefill: KVTopology, held_block_ids: Sequence[Sequence[int]]) -> PackedLayout:
+    """The order prefill packs a request in, from its topology and the request's held
+    blocks (null blocks never travel): decode can know it before prefill answers."""
+    held = [[b for b in ids if b] for ids in held_block_ids]
+    return PackedLayout.of(request_descriptors(prefill, held))
+
+
 def packed_read_of(
     prefill: KVTopology,
     held_block_ids: Sequence[Sequence[int]],
@@ -170,10 +177,9 @@ def packed_read_of(
     remote_rows: np.ndarray,
 ) -> PackedRead:
     """Decode's plan for a request prefill packed: the packed order from prefill's topology
-    and held blocks (null blocks never travel), checked against the size prefill reports
-    (another size means the two sides disagree on the request)."""
-    held = [[b for b in ids if b] for ids in held_block_ids]
-    layout = PackedLayout.of(request_descriptors(prefill, held))
+    and held blocks, checked against the size prefill reports (another size means the two
+    sides disagree on the request)."""
+    layout = packed_layout_of(prefill, held_block_ids)
     if layout.nbytes != packed_nbytes:
         raise StagingError(
             f"prefill packed {packed_nbytes} bytes, its layout and held block ids give "

@@ -3,12 +3,14 @@
 Once NIXL says a READ is done, a packed request is scattered from its staging slot into
 its blocks and, with ``verify_kv``, decode digests those blocks and compares them with
 prefill's. ``KVSink`` moves reads through their phases; ``Lander`` does this part of it.
-What can be known before the bytes arrive is planned and uploaded ahead: the digests'
-index plan while the claim is out (``plan_ahead``), the scatter's while the READ is in
-flight (``plan_scatter``), so that between the READ and the blocks in place the host only
-launches. On one GPU (2026-12-05) the READ of a 4k request took 0.13 ms and the host's
-landing after it 1.5 ms; with the digest plan ahead (2026-12-06, 2k) the scatter's share,
-0.8 ms of 1.2, was the largest left.
+What can be known before the bytes arrive is planned and uploaded while the claim is out
+(``plan_ahead``): the digests' index plan, the packed READ and its scatter's index plan (in
+offsets relative to the staging slot, allocated only at the post), so that between the
+READ and the blocks in place the host only launches. On one GPU (2026-12-05) the READ of a
+4k request took 0.13 ms and the host's landing after it 1.5 ms; with the digest plan ahead
+(2026-12-06, 2k) the scatter's share, 0.8 ms of 1.2, was the largest left; planned right
+after the post (2026-12-06b), the scatter's 0.4-0.6 ms plan outlasted a 70 us READ, which
+was then seen done only after it.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import time
 import numpy as np
 
 from kvshare_connector.common.failpoints import failpoint
+from kvshare_connector.layout.staging import PackedRead, packed_layout_of, packed_read
 from kvshare_connector.layout.topology import KVTopology
 from kvshare_connector.layout.verification import VerificationError, compare
 from kvshare_connector.transfer.digests import Digester
 from kvshare_connector.transfer.nixl import NixlTransport
-from kvshare_connector.transfer.packing import Packer
-from kvshare_connector.transfer.reads import Landing, Phase, Read
+from kvshare_connector.transfer.packing import CopyPlan, Packer
+from kvshare_connector.transfer.reads import Landing, PackedAhead, Phase, Read
 
 
 class Lander:
@@ -41,29 +44,41 @@ class Lander:
         self.packer = packer
         self.digester = digester
 
-    def plan_ahead(self, read: Read) -> None:
-        """verify_kv: plan (and upload) the digests of ``read``'s blocks while its claim is
-        out; their bytes are read only at ``land``. Its host seconds go in the read log as
-        ``digest_plan``, apart from the landing's own parts."""
+    def plan_ahead(self, read: Read, prefill: KVTopology | None) -> None:
+        """While ``read``'s claim is out, plan (and upload) its landing: verify_kv's digests
+        of its blocks (their bytes are read only at ``land``) and, where prefill (its
+        topology; None: it cannot pack for this reader) may pack the request, the packed
+        READ and its scatter. Host seconds go in the read log as ``digest_plan`` and
+        ``scatter_plan``, apart from the landing's own parts."""
         plan = read.plan
-        if self.digester is None or read.digest_plan is not None:
+        if plan is None:
             return
-        if plan is None or not plan.verify:
-            return
-        clock = time.perf_counter()
-        read.digest_plan = self.digester.plan(self.topology, plan.local_ids)
-        read.lap("digest_plan", clock)
+        if self.digester is not None and plan.verify and read.digest_plan is None:
+            clock = time.perf_counter()
+            read.digest_plan = self.digester.plan(self.topology, plan.local_ids)
+            read.lap("digest_plan", clock)
+        if self.packer is not None and prefill is not None and read.packed_ahead is None:
+            clock = time.perf_counter()
+            layout = packed_layout_of(prefill, read.order.params.remote_block_ids)
+            packed = packed_read(layout, *plan.rows)
+            read.packed_ahead = PackedAhead(layout.nbytes, packed)
+            read.scatter_plan = self._plan_scatter(packed)
+            read.lap("scatter_plan", clock)
 
     def plan_scatter(self, read: Read) -> None:
-        """A packed READ was just posted: plan (and upload) the scatter out of its slot
-        while the bytes are on their way (``landing_host.scatter_plan``)."""
+        """A packed READ was just posted that was not planned ahead (prefill packed it in
+        another size, say): plan its scatter while the bytes are on their way."""
         t = read.transfer
-        if t is None or t.packed is None or t.slot is None or self.packer is None:
+        if t is None or t.packed is None or self.packer is None or read.scatter_plan is not None:
             return
         clock = time.perf_counter()
-        s = t.packed.scatter
-        read.scatter_plan = self.packer.plan_copy(s[:, 0], s[:, 2], t.slot + s[:, 1])
+        read.scatter_plan = self._plan_scatter(t.packed)
         read.lap("scatter_plan", clock)
+
+    def _plan_scatter(self, packed: PackedRead) -> CopyPlan:
+        assert self.packer is not None
+        s = packed.scatter
+        return self.packer.plan_copy(s[:, 0], s[:, 2], s[:, 1])
 
     def land(self, read: Read) -> None:
         """The READ is done: a packed request is scattered into its blocks and, with
@@ -80,7 +95,7 @@ class Lander:
             failpoint("sink.before_scatter")
             s, ahead = t.packed.scatter, read.scatter_plan
             read.scatter_plan = None
-            scatter = self.packer.scatter(s[:, 0], s[:, 2], t.slot + s[:, 1], plan=ahead)
+            scatter = self.packer.scatter(s[:, 0], s[:, 2], s[:, 1], slot=t.slot, plan=ahead)
             clock = read.lap("scatter", clock)
         digests = None
         if self.digester is not None and plan.verify:

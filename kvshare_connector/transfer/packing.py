@@ -201,19 +201,21 @@ class Packer:
         return self._launch(plan, to_staging=True, wait=after_compute)
 
     def scatter(
-        self, addr: np.ndarray, length: np.ndarray, slot_offsets: np.ndarray,
+        self, addr: np.ndarray, length: np.ndarray, staged: np.ndarray, slot: int = 0,
         plan: CopyPlan | None = None,
     ) -> Copy:  # fmt: skip
-        """Copy ``slot_offsets`` of the area (``length`` each) back to runs at ``addr``;
-        ``plan``: made by ``plan_copy`` for these runs beforehand (decode: while the READ
-        into the slot is in flight), so only the launch is left here."""
-        plan = plan or self.plan_copy(addr, length, slot_offsets)
-        return self._launch(plan, to_staging=False, wait=True)
+        """Copy ``staged`` offsets of the slot at ``slot`` (``length`` each) back to runs at
+        ``addr``; ``plan``: made by ``plan_copy`` for these runs beforehand, with offsets
+        relative to the slot (decode plans while its claim is out, before it has a slot),
+        so only the launch is left here."""
+        plan = plan or self.plan_copy(addr, length, staged)
+        return self._launch(plan, to_staging=False, wait=True, slot=slot)
 
     def plan_copy(self, addr: np.ndarray, length: np.ndarray, staged: np.ndarray) -> CopyPlan:
         """The word indices of a copy between runs ``(addr, length)`` of the KV memory and
-        offsets ``staged`` of the area, per storage, uploaded in one go (on the side
-        stream, so a copy launched there later is ordered after it)."""
+        offsets ``staged`` of the area (or of a slot: slots start on ``ALIGN``, a multiple
+        of every word), per storage, uploaded in one go (on the side stream, so a copy
+        launched there later is ordered after it)."""
         import torch
 
         plans, parts = [], []
@@ -231,11 +233,11 @@ class Packer:
             index = upload(np.concatenate(parts), self.staging.buffer.device)
         return CopyPlan(plans, index)
 
-    def _launch(self, plan: CopyPlan, to_staging: bool, wait: bool) -> Copy:
+    def _launch(self, plan: CopyPlan, to_staging: bool, wait: bool, slot: int = 0) -> Copy:
         """On the side stream, by default behind all the compute stream has queued. Not
         waiting is for bytes whose writes are known to be done: with vLLM's async
         scheduling the next step's forward is queued by then, and waiting for it cost a
-        whole step."""
+        whole step. ``slot``: the plan's staging offsets start there."""
         import torch
 
         if not plan.spans:
@@ -250,8 +252,10 @@ class Packer:
             for span, word, n in plan.spans:
                 kv_i, st_i = index[first : first + n], index[first + n : first + 2 * n]
                 first += 2 * n
+                if slot % word:
+                    raise ValueError(f"staging slot {slot} is not a multiple of {word} bytes")
                 kv = MemoryMap.rows_of(span, word)
-                st = MemoryMap.rows_of(self.staging.span, word)
+                st = MemoryMap.rows_of(self.staging.span, word)[slot // word :]
                 if to_staging:
                     st.index_copy_(0, st_i, kv.index_select(0, kv_i))
                 else:

@@ -3,9 +3,11 @@
 PEER: waiting for prefill's handshake and lane probe. CLAIM: the ``Plan`` is made (which
 blocks pair, the descriptors) and prefill is asked to keep the blocks for this reader (the
 step's claims to one prefill go in one message: ``claim_batches``); its answer is the
-``Grant``. READ: the ``Transfer`` is posted to NIXL. LAND: the bytes arrived; the scatter
-(packed) and decode's digests (``verify_kv``) run on the device, watched without
-blocking; then the digests are compared and the read ends done, or failed at any phase.
+``Grant``; while it is out, decode plans the landing (``PackedAhead``, the scatter's and the
+digests' index plans). READ: the ``Transfer`` is posted to NIXL. LAND: the bytes arrived;
+the scatter (packed) and decode's digests (``verify_kv``) run on the device, watched
+without blocking; then the digests are compared and the read ends done, or failed at any
+phase.
 """
 
 from __future__ import annotations
@@ -68,6 +70,16 @@ class Grant:
     answer_s: float | None = None  # how long prefill took to answer the claim
 
 
+@dataclass(frozen=True)
+class PackedAhead:
+    """A packed READ planned while the claim was out, in case prefill packs the request;
+    it holds if prefill's grant reports ``prefill_nbytes`` (else the post plans again and
+    names the disagreement)."""
+
+    prefill_nbytes: int  # the size of prefill's packed request this plan expects
+    packed: PackedRead
+
+
 @dataclass
 class Transfer:
     """The READ in flight."""
@@ -106,7 +118,8 @@ class Read:
     transfer: Transfer | None = None
     landing: Landing | None = None
     digest_plan: DigestPlan | None = None  # verify_kv: planned while the claim is out
-    scatter_plan: CopyPlan | None = None  # packed: planned while the READ is in flight
+    packed_ahead: PackedAhead | None = None  # packed: planned while the claim is out
+    scatter_plan: CopyPlan | None = None  # packed: its scatter's (offsets in the slot)
     verified: int = 0
     marks: dict[str, float] = field(default_factory=dict)  # phase -> s since created
     landing_host: dict[str, float] = field(default_factory=dict)  # TransferRecord's

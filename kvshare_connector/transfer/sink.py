@@ -233,7 +233,10 @@ class KVSink:
             if read.phase is not Phase.CLAIM or read.request_id in self._failed:
                 continue
             try:
-                self.lander.plan_ahead(read)
+                p = read.order.params
+                peer = self.peers.get(p.remote_host, p.remote_port, p.remote_engine_id)
+                prefill = None if peer is None or peer.sliced else peer.topology  # may pack
+                self.lander.plan_ahead(read, prefill)
             except Exception as exc:
                 self._fail(read, exc)
 
@@ -312,10 +315,15 @@ class KVSink:
         slot, packed = None, None
         ref = read.grant.packed
         if ref is not None and self.packer is not None and not peer.sliced:
-            packed = packed_read_of(
-                peer.topology, read.order.params.remote_block_ids, ref.nbytes, local_rows,
-                remote_rows,
-            )  # fmt: skip
+            ahead = read.packed_ahead
+            if ahead is not None and ahead.prefill_nbytes == ref.nbytes:
+                packed = ahead.packed  # planned while the claim was out
+            else:  # not planned, or for another size: plan now (and name a disagreement)
+                read.scatter_plan = None
+                packed = packed_read_of(
+                    peer.topology, read.order.params.remote_block_ids, ref.nbytes, local_rows,
+                    remote_rows,
+                )  # fmt: skip
             slot = self.packer.staging.allocate(packed.nbytes)
             if slot is None:  # no room here: read the request's blocks directly
                 packed = None
@@ -342,7 +350,7 @@ class KVSink:
         read.phase = Phase.READ
         read.mark("posted")
         failpoint("sink.read_posted")
-        self.lander.plan_scatter(read)  # while the bytes are on their way
+        self.lander.plan_scatter(read)  # if not planned ahead: while the bytes are on their way
 
     def _finish(self, read: Read) -> None:
         t, plan, grant = read.transfer, read.plan, read.grant
