@@ -1,5 +1,6 @@
 """GPU (skipped without CUDA): the work a load waits on runs on the device's highest-priority
-stream (``packing.side_stream``), and a gather and scatter through it move the bytes."""
+stream (``packing.side_stream``), and a gather and scatter through it move the bytes; a
+scatter planned before its staging slot was known lands from that slot."""
 
 from __future__ import annotations
 
@@ -56,3 +57,33 @@ def test_a_hold_time_gather_does_not_wait_for_the_queued_forward(after_compute):
     assert forward.query() is after_compute  # the control waited for the "forward"
     assert torch.equal(packer.staging.buffer[:65536], kv[:65536])
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("launch_at_slot", [True, False])
+def test_a_scatter_planned_before_its_slot_lands_from_the_slot(launch_at_slot):
+    """Decode plans a packed read's scatter while its claim is out, in offsets relative to
+    the staging slot, and launches it at the slot the post allocated (here not the area's
+    first). The control launches the same plan at the area's start: other bytes land."""
+    from kvshare_connector.transfer.packing import ALIGN, MemoryMap, Packer, StagingArea
+
+    kv = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    packer = Packer(MemoryMap([kv]), StagingArea(4 * ALIGN + (1 << 16), "cuda"))
+    base = kv.data_ptr()
+    addr = np.array([base + 8192, base + 131072, base + 4096], dtype=np.int64)
+    length = np.array([16384, 4096, 2048], dtype=np.int64)
+    staged = np.array([0, 16384, 20480], dtype=np.int64)  # packed, in the slot
+    plan = packer.plan_copy(addr, length, staged)  # no slot yet
+    assert packer.staging.allocate(ALIGN) == 0  # another read's slot
+    slot = packer.staging.allocate(int(length.sum()))
+    assert slot == ALIGN
+    area = packer.staging.buffer
+    area[:] = 7  # what the staging held before
+    area[slot : slot + int(length.sum())] = torch.randint(
+        0, 255, (int(length.sum()),), dtype=torch.uint8, device="cuda"
+    )  # the READ's bytes
+    packer.scatter(addr, length, staged, slot=slot if launch_at_slot else 0, plan=plan).wait()
+    landed = all(
+        torch.equal(kv[a - base : a - base + n], area[slot + o : slot + o + n])
+        for a, n, o in zip(addr.tolist(), length.tolist(), staged.tolist(), strict=True)
+    )
+    assert landed is launch_at_slot
