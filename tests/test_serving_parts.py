@@ -220,7 +220,7 @@ def test_fault_options_that_do_not_go_together_are_refused(argv: list[str], mess
     assert message in capsys.readouterr().err
 
 
-def test_a_lone_engine_gets_the_benchmarks_flags(tmp_path: Path) -> None:
+def test_a_lone_engine_gets_the_benchmarks_flags(tmp_path: Path, capsys: Any) -> None:
     """``fast_lane.sh kvcached033`` starts one ``vllm serve`` outside a benchmark: it gets the
     flags the benchmark's engines get (2026-12-06b: without them the engine stopped on the
     tokenizer, then on ``--hf-overrides`` quoted twice, before kvcached could say anything)."""
@@ -228,18 +228,20 @@ def test_a_lone_engine_gets_the_benchmarks_flags(tmp_path: Path) -> None:
     import sys
     import tempfile
 
-    from benchmarks.gpu.serving import deployments
+    from benchmarks.gpu import bench_serving
     from kvshare_connector.devtools.cpu_stack import model_dir
 
     model = model_dir("gemma4_e2b_shape", tmp_path)
-    flags = deployments.engine_flags(model)
+    argv = ["--engine-flags", "--model-dir", str(model), "--enforce-eager", "--kv-cache-gib", "2"]
+    assert bench_serving.main(argv) == 0
+    flags = capsys.readouterr().out.splitlines()
     assert flags[flags.index("--tokenizer") + 1].startswith(tempfile.gettempdir())
     assert json.loads(flags[flags.index("--hf-overrides") + 1]) == {"global_head_dim": 512}
     assert flags[flags.index("--attention-backend") + 1] == "TRITON_ATTN"
     assert "--enforce-eager" in flags
     assert flags[flags.index("--kv-cache-memory-bytes") + 1] == str(2 << 30)
-    root = Path(deployments.__file__).resolve().parents[3]
-    command = [sys.executable, "-m", "benchmarks.gpu.serving.deployments", str(model)]
+    root = Path(bench_serving.__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "benchmarks.gpu.bench_serving", *argv]
     printed = subprocess.run(
         command, capture_output=True, text=True, check=True, cwd=root, timeout=120
     )

@@ -61,6 +61,7 @@ from benchmarks.gpu.serving.deployments import (  # noqa: F401
     resolve_model,
     resolve_tokenizer,
     sampled_vocab,
+    serve_args,
 )
 from benchmarks.gpu.serving.runs import Runner
 from kvshare_connector.common.failpoints import POINTS as FAILPOINTS
@@ -254,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--prefix-caching", action="store_true", help="leave vLLM's prefix caching on")
     add("--enforce-eager", action="store_true")
     add("--serve-args", help="more vllm serve arguments, in one string")
+    add("--engine-flags", action="store_true", help="print, one per line, the flags an engine "
+        "of --model-dir gets from these options (for a lone vllm serve) and exit")  # fmt: skip
     add("--one-at-a-time", action="store_true", help="start/stop each deployment per round")
     add("--base-port", type=int, default=18000, help=f"+{PORT_STRIDE} per deployment")
     add("--side-channel-port", type=int, default=15600)
@@ -304,6 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         serving_report.write_report(Path(args.report))
         print((Path(args.report) / "summary.md").read_text())
+        return 0
+    if args.engine_flags:
+        if not args.model_dir:
+            build_parser().error("--engine-flags needs --model-dir")
+        model_dir = Path(args.model_dir)
+        print("\n".join(serve_args(model_dir, resolve_tokenizer(model_dir, args), args)))
         return 0
     if not args.out or not (args.model_dir or args.make_weights):
         build_parser().error("--out and --model-dir (or --make-weights) are required")

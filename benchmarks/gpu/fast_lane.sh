@@ -227,7 +227,8 @@ for step in "$@"; do
         echo "kvcached build: exit $?" >> "$log"
       fi
       # The flags every bench_serving engine gets (tokenizer, Gemma-4 overrides, attention).
-      mapfile -t flags < <(python3 -m benchmarks.gpu.serving.deployments "$E2B")
+      mapfile -t flags < <(python3 -m benchmarks.gpu.bench_serving --engine-flags \
+        --model-dir "$E2B" --enforce-eager --kv-cache-gib 2)
       ENABLE_KVCACHED=true KVCACHED_AUTOPATCH=1 PYTHONPATH="/tmp/kvcached033:$PYTHONPATH" \
         vllm serve "$E2B" --port 8193 --gpu-memory-utilization 0.2 --max-model-len 4096 \
         "${flags[@]}" >> "$log" 2>&1 &

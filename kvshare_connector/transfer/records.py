@@ -38,7 +38,8 @@ class TransferRecord:
     claims: int = 1  # claims sent before prefill held the request for this reader
     # decode's host seconds of the landing (arrived -> launched), by part: "release" (NIXL's
     # handle), "scatter" and "digests" (verify_kv) launched; and, off the load's path,
-    # "digest_plan" (made while the claim was out), "scatter_plan" (while the READ was)
+    # "digest_plan" and "scatter_plan" (made while the claim was out; the scatter's at the
+    # post when prefill packed another size than planned)
     landing_host: dict[str, float] = field(default_factory=dict)
 
 

@@ -156,16 +156,6 @@ def serve_args(model_dir: Path, tokenizer: Path, args: argparse.Namespace) -> li
     return out + shlex.split(args.serve_args or "")
 
 
-def engine_flags(model_dir: Path, kv_cache_gib: float = 2.0) -> list[str]:
-    """What one ``vllm serve`` of ``model_dir`` outside a benchmark needs to start as the
-    benchmark's engines do (tokenizer, Gemma-4 overrides, attention backend), eager, with a
-    fixed KV size: ``fast_lane.sh kvcached033``."""
-    ns = argparse.Namespace(tokenizer=None, tokenizer_vocab=4096, attention_backend="auto",
-                            prefix_caching=False, enforce_eager=True, kv_cache_gib=kv_cache_gib,
-                            serve_args="")  # fmt: skip
-    return serve_args(model_dir, resolve_tokenizer(model_dir, ns), ns)
-
-
 def max_model_len(args: argparse.Namespace) -> int:
     """Room for the longest prompt, the output and what the random dataset's tokenizer round
     trip may add, rounded up to 1024 (32k prompts, 32 out: 33,792)."""
@@ -363,7 +353,3 @@ def gpu_names() -> str:
         return "; ".join(out.stdout.strip().splitlines()) or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
-if __name__ == "__main__":  # python -m benchmarks.gpu.serving.deployments MODEL_DIR
-    print("\n".join(engine_flags(Path(sys.argv[1]))))
