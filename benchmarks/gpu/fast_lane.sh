@@ -24,7 +24,9 @@
 #            --max-num-seqs 64 (vLLM's default 1024 warms the sampler up with 1024 rows of
 #            logits, a GiB per engine: 2 GiB of KV still ran out on an H100, 2026-12-06b);
 #            SERVE_EAGER=1: no CUDA graphs nor torch.compile (engines start in about half the
-#            time; use it on both stacks when comparing them)
+#            time; use it on both stacks when comparing them). TIME_BUDGET (default 330): on an
+#            H100 eager, 3 rounds of one concurrency took 330 s, of "1 16" more than 450 s
+#            (2026-12-06c)
 #   serve8k  the same at 8k (48 prompts per round)
 #   serve    one run for the latency and verify_kv changes (issues 21, 26): ours with
 #            verify_kv (its default), ours without, ours as it was before them (the tree in
