@@ -279,3 +279,84 @@ def test_a_decode_stream_cut_after_it_was_relayed_or_with_side_down_fail_is_an_e
     (error,) = [json.loads(d)["error"] for d in data if "error" in d]
     assert error["type"] == "backend_dropped" and cutter in error["message"], error
     assert not _plain(pre) and len(pre.state.requests) == 1
+
+
+@pytest.mark.parametrize("stream, first_token_from_prefill",
+                         [(False, False), (True, False), (True, True)])  # fmt: skip
+def test_a_decode_whose_engine_died_under_the_request_leaves_prefill_to_serve_it(
+    stream: bool, first_token_from_prefill: bool, monkeypatch: Any, caplog: Any
+) -> None:
+    """The 2026-12-06 fault run's 7 failures: decode's API server outlived its EngineCore
+    and answered vLLM's own EngineDeadError (HTTP 500, or a stream opened with an error
+    event), its /health 503. Nothing of decode's reached the client, so a prefill server
+    computes the request alone: the client's answer is colocated's, with no error in it."""
+    monkeypatch.setenv("FAKE_PREFILL_LOCAL", "1")
+    with ExitStack() as stack:
+        pre = stack.enter_context(fake_server("prefill", kvshare_params=True))
+        dead = stack.enter_context(fake_server("decode", fail_mode="engine_dead"))
+        colo = stack.enter_context(fake_server("colocated"))
+        app = create_app([pre.url], [dead.url],
+                         fast(first_token_from_prefill=first_token_from_prefill))  # fmt: skip
+        px = stack.enter_context(ThreadServer(app))
+        stack.enter_context(caplog.at_level("WARNING"))
+        resp = _ask(px.url, stream)
+        base = _ask(colo.url, stream)
+        health = httpx.get(px.url + "/health", timeout=10).json()
+    assert resp.status_code == 200, resp.text
+    if stream:
+        assert not [e for e in sse_events(resp.text) if "error" in e], resp.text
+    assert _text(resp, stream) == _text(base, stream) and _text(base, stream)
+    assert len(dead.state.requests) == 1  # decode got its leg, and died under it
+    (plain,) = _plain(pre)
+    assert plain["max_tokens"] == 12 - (1 if first_token_from_prefill else 0)
+    assert health["served_alone"] == {"decode": 0, "prefill": 1}
+    (warned,) = [r.getMessage() for r in caplog.records if "computes the request alone" in
+                 r.getMessage()]  # fmt: skip
+    assert dead.url in warned and "/health then answered HTTP 503" in warned, warned
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_that_answers_an_error_while_healthy_is_not_served_around(
+    stream: bool, monkeypatch: Any
+) -> None:
+    """The control: the same answer from a decode whose /health stays 200 (a server that is
+    up may have run the request) reaches the client as an error (a 502 naming decode, or
+    vLLM's own error event in the stream), and prefill computes nothing more."""
+    monkeypatch.setenv("FAKE_PREFILL_LOCAL", "1")
+    with ExitStack() as stack:
+        pre = stack.enter_context(fake_server("prefill"))
+        bad = stack.enter_context(fake_server("decode", fail_mode="error_event"))
+        app = create_app([pre.url], [bad.url], fast(first_token_from_prefill=False))
+        px = stack.enter_context(ThreadServer(app))
+        resp = _ask(px.url, stream)
+        health = httpx.get(px.url + "/health", timeout=10).json()
+    if stream:
+        (event,) = sse_events(resp.text)
+        assert event["error"]["code"] == 500 and "choices" not in event, resp.text
+    else:
+        assert resp.status_code == 502 and resp.json()["error"]["server"] == bad.url
+    assert not _plain(pre) and len(pre.state.requests) == 1
+    assert health["served_alone"] == {"decode": 0, "prefill": 0}
+
+
+def test_a_prefill_whose_engine_died_is_passed_over_for_another(monkeypatch: Any) -> None:
+    """A prefill answering vLLM's EngineDeadError with its /health 503 is down: the prefill
+    leg goes to the other prefill (it computed nothing to hold), and the request is served
+    PD through it; with that one alone, decode serves the request alone."""
+    monkeypatch.setenv("FAKE_DECODE_LOCAL", "1")
+    with ExitStack() as stack:
+        dead = stack.enter_context(fake_server("prefill", fail_mode="engine_dead"))
+        good = stack.enter_context(fake_server("prefill"))
+        dec = stack.enter_context(fake_server("decode"))
+        two = stack.enter_context(ThreadServer(create_app([dead.url, good.url], [dec.url],
+                                                          fast())))  # fmt: skip
+        one = stack.enter_context(ThreadServer(create_app([dead.url], [dec.url], fast())))
+        via_two = _ask(two.url, stream=False)
+        loads = dec.state.hits["loads"]
+        via_one = _ask(one.url, stream=False)
+        health_one = httpx.get(one.url + "/health", timeout=10).json()
+    assert via_two.status_code == 200 and via_one.status_code == 200, via_one.text
+    assert good.state.hits["completions"] == 1 and loads == 1  # PD through the good prefill
+    assert health_one["served_alone"] == {"decode": 1, "prefill": 0}
+    assert [r["body"]["prompt"] for r in dec.state.requests if "kv_transfer_params" not in
+            r["body"]] == [QUESTION]  # fmt: skip

@@ -313,13 +313,6 @@ class PDProxy(Legs):
             media_type=resp.headers.get("content-type"),
         )
 
-    async def probe(self, url: str) -> dict[str, Any]:
-        try:
-            resp = await self._client().get(url + "/health", timeout=self.timeouts.health)
-        except httpx.HTTPError as exc:
-            return {"url": url, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        return {"url": url, "ok": resp.status_code == 200, "status": resp.status_code}
-
     async def health(self) -> tuple[bool, dict[str, Any]]:
         """Whether the proxy can serve (a load balancer's question), and every backend's
         answer: "ok" all up; "degraded" some down, requests still served (another server

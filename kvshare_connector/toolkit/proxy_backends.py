@@ -1,7 +1,8 @@
 """The PD proxy's backends: its options and the timeouts it waits with, the round robin over
 each pool, and its errors, each naming the backend and what went wrong (``kind``:
 ``backend_unreachable``, ``backend_dropped``, ``backend_timeout``, ``bad_backend_response``,
-``backend_error``, ``backend_client_error``)."""
+``backend_error``, ``backend_client_error``; ``backend_error_event``, an error event first in
+a stream, and ``backend_dead``, a bad answer from a server whose ``/health`` then failed)."""
 
 from __future__ import annotations
 

@@ -30,9 +30,14 @@ logger = logging.getLogger("kvshare_connector.toolkit.proxy")
 REQUEST_ID_HEADER = "X-Request-Id"
 T = TypeVar("T")
 #: How a leg failed when every server of its side was tried: none is serving (refused the
-#: connection, or closed it unanswered after the resend). Not a timeout: a slow server
-#: still computes the request; not an answer (an error, a client error): it must be seen.
-SIDE_DOWN = ("backend_unreachable", "backend_dropped")
+#: connection, closed it unanswered after the resend, or its engine is dead). Not a timeout:
+#: a slow server still computes the request; not an answer from a server that is up (an
+#: error, a client error): it must be seen.
+SIDE_DOWN = ("backend_unreachable", "backend_dropped", "backend_dead")
+#: An answer that may come from a server whose engine died: vLLM's API server outlives its
+#: EngineCore and answers HTTP 500, or an error event in a stream, while its ``/health``
+#: says 503 (vLLM 0.26 and 0.33; until the server exits). ``Legs.diagnose`` asks ``/health``.
+MAYBE_DEAD = ("bad_backend_response", "backend_error_event")
 
 
 def without_kv_params(body: dict[str, Any]) -> dict[str, Any]:
@@ -88,14 +93,42 @@ class Legs:
             try:
                 return await leg(url), url
             except ProxyError as exc:
+                err = await self.diagnose(exc)
                 tried.append(url)
-                if exc.kind == "backend_unreachable" and len(tried) < len(pool.urls):
+                if err.kind == "backend_unreachable" and len(tried) < len(pool.urls):
                     pool.mark_down(url)
-                elif exc.kind == "backend_dropped" and resend_dropped and not resent:
+                elif err.kind in ("backend_dropped", "backend_dead") and resend_dropped \
+                        and not resent:  # fmt: skip
                     resent = True
-                else:
+                    if err.kind == "backend_dead":
+                        pool.mark_down(url)
+                elif err is exc:
                     raise
-                logger.warning("req=%s %s; trying another", request_id, exc.message)
+                else:
+                    raise err from exc
+                logger.warning("req=%s %s; trying another", request_id, err.message)
+
+    async def probe(self, url: str) -> dict[str, Any]:
+        """``url``'s ``/health``: ok, its status, or why it did not answer."""
+        try:
+            resp = await self._client().get(url + "/health", timeout=self.timeouts.health)
+        except httpx.HTTPError as exc:
+            return {"url": url, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        return {"url": url, "ok": resp.status_code == 200, "status": resp.status_code}
+
+    async def diagnose(self, exc: ProxyError) -> ProxyError:
+        """A bad answer (``MAYBE_DEAD``) from a server whose ``/health`` then fails is its
+        engine's death (``backend_dead``, a side down): vLLM's own answer to a request its
+        EngineCore died under, an HTTP 500 or an error event. Anything else stays as it is:
+        a server that is up and answered an error may have run the request."""
+        if exc.kind not in MAYBE_DEAD or exc.server is None:
+            return exc
+        health = await self.probe(exc.server)
+        if health["ok"]:
+            return exc
+        said = f"HTTP {health['status']}" if "status" in health else health["error"]
+        return ProxyError(503, f"{exc.message}; its /health then answered {said}: its engine "
+                          "is down", server=exc.server, kind="backend_dead")  # fmt: skip
 
     async def _post(
         self, side: str, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
@@ -147,11 +180,13 @@ class Legs:
         return self.options.serve_alone and exc.kind in SIDE_DOWN
 
     def rescuer(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Rescue:
-        """For a decode stream that broke before any of it reached the client (its server
-        died under the request, ``SIDE_DOWN``): a prefill server computes ``body`` alone,
-        its stream relayed in place of decode's. The client sees one answer, only later."""
+        """For a decode stream that broke, or whose first event was an error, before any of
+        it reached the client (its server or engine died under the request, ``SIDE_DOWN``
+        after ``diagnose``): a prefill server computes ``body`` alone, its stream relayed in
+        place of decode's. The client sees one answer, only later."""
 
         async def rescue(cause: ProxyError) -> tuple[httpx.Response, str, str]:
+            cause = await self.diagnose(cause)
             if not self.may_serve_alone(cause):
                 raise cause
             resp, url = await self.open_alone("prefill", path, body, headers, cause)

@@ -4,6 +4,7 @@ proxy edits a line (first_token.py)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -61,19 +62,36 @@ async def relay(
     """The stream as it comes (decoded: content-encoding is not relayed), or event by
     event with each line through ``edit``. A break ends it with an error event, unless
     nothing of it was relayed yet and ``rescue`` opens another server's stream, relayed in
-    its place (a decode that died under its request: prefill computes it alone)."""
+    its place (a decode that died under its request: prefill computes it alone). With
+    ``rescue``, an error event that comes first is held back and ``rescue`` asked too (an
+    engine that died under the request answers so); where it declines, the event goes on."""
     relayed = False
     while True:
+        err = switched = None
+        events = _events(resp, edit or (_unchanged if rescue else None))
         try:
-            async for chunk in _events(resp, edit):
+            async for chunk in events:
+                message = None if relayed or rescue is None else error_in(chunk)
+                if message is not None:
+                    cause = ProxyError(502, f"{side} server {url} answered an error before any "
+                                       f"token: {message}", server=url,
+                                       kind="backend_error_event")  # fmt: skip
+                    switched, rescue = await _try(rescue, cause), None
+                    if switched is not None:
+                        break
                 relayed = True
                 yield chunk
-            return
         except httpx.HTTPError as exc:
             err = transport_error(exc, side, url, timeouts)
             logger.error("req=%s stream broken: %s", request_id, err.message)
         finally:
+            await events.aclose()
             await resp.aclose()
+        if switched is not None:
+            resp, url, side = switched
+            continue
+        if err is None:
+            return
         if relayed or rescue is None:
             yield error_event(err, request_id)
             return
@@ -83,6 +101,35 @@ async def relay(
             yield error_event(exc, request_id)
             return
         rescue = None
+
+
+async def _try(rescue: Rescue, cause: ProxyError) -> tuple[httpx.Response, str, str] | None:
+    """``rescue(cause)``, or None where it declines (the server is up: its error stands)."""
+    try:
+        return await rescue(cause)
+    except ProxyError as exc:
+        logger.info("%s (not served around: %s)", cause.message, exc.message)
+        return None
+
+
+def _unchanged(line: str) -> str:
+    return line
+
+
+def error_in(event: bytes) -> str | None:
+    """The message of an SSE event that is an error (``data: {"error": ...}`` without
+    choices, as vLLM streams a failure), else None."""
+    for line in event.decode(errors="replace").splitlines():
+        if not line.startswith("data:"):
+            continue
+        try:
+            data = json.loads(line[len("data:"):])
+        except ValueError:
+            continue
+        if isinstance(data, dict) and "error" in data and not data.get("choices"):
+            error = data["error"]
+            return str(error.get("message", error) if isinstance(error, dict) else error)
+    return None
 
 
 async def _events(resp: httpx.Response, edit: Callable[[str], str] | None) -> AsyncIterator[bytes]:

@@ -29,6 +29,9 @@ K+1st); a prefill reports ``vllm:kv_cache_usage_perc`` from the KV records it st
 freed when pulled or, with ``FAKE_KV_LEASE=S``, after S seconds (without: a dead decode's
 records leak); ``FAKE_PREFILL_LOCAL=1`` lets a prefill serve plain requests;
 ``FAKE_VERIFY_FAILURES=N`` makes a decode report N verify_kv failures;
+``fail_mode="engine_dead"`` answers every request as vLLM does once its EngineCore died
+(HTTP 500, or an error event in a stream) and fails ``/health``; ``"error_event"`` answers the
+same while ``/health`` stays 200 (a server that is up and answered an error);
 ``FAKE_DECODE_RECOMPUTE=1`` makes a decode that cannot pull (prefill unreachable, or it holds
 no record: killed, restarted) compute the prompt locally and answer 200 with
 ``kv_transfer_params.kv_load_error``, counted in ``vllm:kvshare_failed_loads_total``, as the
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hashlib
 import json
 import os
@@ -95,7 +99,8 @@ KV_KEYS = frozenset(
 #: What our prefill adds (the prompt it computed): a decode may then send a prompt that
 #: extends it by prefill's first token (the proxy's first-token hand-off).
 KVSHARE_KEYS = frozenset({"remote_prompt_tokens", "remote_prompt_digest"})
-FAIL_MODES = ("none", "garbage", "no_kv", "bad_kv", "error400", "error500", "slow", "hang_stream")
+FAIL_MODES = ("none", "garbage", "no_kv", "bad_kv", "error400", "error500", "slow", "hang_stream",
+              "engine_dead", "error_event")
 ROLE_TO_KV_ROLES = {
     "prefill": {"kv_producer", "kv_both"},
     "decode": {"kv_consumer", "kv_both"},
@@ -111,6 +116,40 @@ ENV_REPORTED = (
     "FAKE_MARKER",
     "FAKE_CORRUPT_DECODE",
 )
+
+
+@functools.cache
+def engine_dead_error() -> dict[str, Any]:
+    """vLLM's own error body for a request whose EngineCore died: its error response of
+    ``EngineDeadError`` (the module moved between 0.26 and 0.33). Made once: importing
+    vLLM's entrypoints takes seconds, so a server in a fail mode that needs it makes it
+    before it serves."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    try:  # vLLM 0.33
+        from vllm.entrypoints.serve.exception_handling.error_response import (
+            create_error_response,
+        )
+    except ImportError:  # vLLM 0.26
+        from vllm.entrypoints.serve.utils.error_response import create_error_response
+    return create_error_response(EngineDeadError()).model_dump()
+
+
+def engine_dead_answer(stream: bool) -> Response:
+    """What vLLM's API server answers a request whose EngineCore died under it (its server
+    outlives the engine): an HTTP 500, or a stream opened 200 with an error event and
+    ``[DONE]``."""
+    error = engine_dead_error()
+    if not stream:
+        return JSONResponse(error, status_code=error["error"]["code"])
+
+    async def events():
+        yield f"data: {json.dumps(error)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
 class PDViolation(Exception):
     """The request breaks the PD protocol; answered as a 400 naming the problem."""
 
@@ -294,10 +333,12 @@ def create_fake_app(state: FakeState) -> FastAPI:
     """The fake server's FastAPI app; ``state`` stays mutable so tests can change modes."""
     app = FastAPI()
     app.state.fake = state
+    if state.fail_mode in ("engine_dead", "error_event"):
+        engine_dead_error()
 
     @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200)
+    async def health() -> Response:  # vLLM's /health is 503 once its engine is dead
+        return Response(status_code=503 if state.fail_mode == "engine_dead" else 200)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -365,6 +406,8 @@ def create_fake_app(state: FakeState) -> FastAPI:
                 "authorization": request.headers.get("authorization"),
             }
         )
+        if state.fail_mode in ("engine_dead", "error_event"):  # error_event: stays healthy
+            return engine_dead_answer(bool(body.get("stream")))
         if body.get("model") not in (None, state.model):
             return JSONResponse(
                 {"error": {"message": f"model {body['model']!r} not served"}}, status_code=404
