@@ -27,6 +27,7 @@ from kvshare_connector.devtools.demo import (
     request_block_ids,
 )
 from kvshare_connector.layout import verification
+from kvshare_connector.layout.verification import compare, remote_ids_of
 from kvshare_connector.transfer.nixl import NixlTransport
 from kvshare_connector.transfer.settings import EngineSettings
 from kvshare_connector.transfer.sink import KVSink
@@ -38,7 +39,7 @@ E2B = "gemma4_e2b_shape"
 SOURCES = [
     {"name": "tiny", "model": "g4tiny", "layout": "per_layer", "requests": 4, "seed": 10,
      "verify": True, "corrupt": [2, 3]},
-    {"name": "packed", "model": E2B, "layout": "kvcached_contiguous", "requests": 4,
+    {"name": "packed", "model": E2B, "layout": "kvcached_contiguous", "requests": 5,
      "seed": 20, "verify": True, "corrupt": [1], "packed_mib": 32, "kv_mib": 64},
     {"name": "plain", "model": "g4tiny", "layout": "per_layer", "requests": 1, "seed": 30},
     # tamper cases: request 2i read with verify_kv, 2i+1 without (the negative control)
@@ -198,6 +199,126 @@ def test_packed_read_planned_for_another_size_is_planned_again_at_the_post(
     assert result.mismatches == []
     assert len(made) == 1 and len(used) == 1
     assert used[0] is not None and used[0] is not next(iter(made.values()))[1]
+
+
+class DigestsStillRunning:
+    """The digests' CUDA event (no CUDA driver here): not done until ``hold_s`` after it
+    was first queried; each query notes how many staging slots had been freed by then."""
+
+    def __init__(self, hold_s: float, freed: list):
+        self.hold_s, self.freed, self.seen = hold_s, freed, []
+        self.first: float | None = None
+
+    def query(self) -> bool:
+        self.seen.append(len(self.freed))
+        self.first = self.first or time.monotonic()
+        return time.monotonic() - self.first >= self.hold_s
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_a_packed_read_lands_and_frees_its_slot_while_its_digests_still_run(
+    peer, decodes, monkeypatch
+):
+    """The bytes are in place once the scatter is done: the read is marked landed and its
+    staging slot serves the next read then, not after decode's digests (which read the
+    blocks); the load is still reported only once the digests match."""
+    decode = decodes(E2B, "per_layer", verify=True, packed_mib=16, kv_mib=48)
+    lander = decode.sink.lander
+    staging = lander.packer.staging
+    freed, events = [], []
+    real_release, real_launch = staging.release, lander.digester.launch
+
+    def release(offset):
+        freed.append(offset)
+        return real_release(offset)
+
+    def launch(plan, after=None):
+        pending = real_launch(plan, after=after)
+        events.append(DigestsStillRunning(0.05, freed))
+        pending._event = events[-1]
+        return pending
+
+    monkeypatch.setattr(staging, "release", release)
+    monkeypatch.setattr(lander.digester, "launch", launch)
+    result, local_ids = decode.read(peer.request("packed", 4), 8, "v-packed-lands-first")
+
+    assert result.done and result.packed, result.failure
+    assert result.mismatches == []
+    (event,) = events
+    assert len(event.seen) > 1 and event.seen[0] == 1, event.seen  # freed before the 1st look
+    record = record_of(decode.sink, "v-packed-lands-first")
+    assert record.verified == layer_blocks(decode.topology, local_ids)
+    timeline = record.timeline
+    assert timeline["landed"] + 0.05 <= timeline["verified"], timeline
+    # the record's READ seconds end with the bytes in place, not with the digests
+    assert record.seconds < timeline["verified"] - timeline["posted"] - 0.04, record
+
+
+def compare_one_by_one(topology, local_ids, remote_ids, local, remote_block_ids, remote,
+                       limit=5):  # fmt: skip
+    """The reference: ``compare`` as it was, a Python loop over every layer-block."""
+    compared, found = 0, []
+    for name in sorted(topology.owners):
+        group = topology.owners[name].group
+        mine, theirs = local.get(name), remote.get(name)
+        if theirs is None:
+            found.append(f"layer {name} (group {group}): prefill sent no digests")
+            continue
+        where = {int(b): i for i, b in enumerate(remote_ids_of(remote_block_ids, group))}
+        for j, (lb, rb) in enumerate(zip(local_ids[group], remote_ids[group], strict=True)):
+            compared += 1
+            i = where.get(int(rb))
+            if i is None or i >= len(theirs):
+                found.append(f"layer {name} group {group} block {lb}: prefill did not digest {rb}")
+            elif mine is None or int(mine[j]) != int(theirs[i]):
+                found.append(
+                    f"layer {name} group {group}: decode block {lb} differs from prefill block {rb}"
+                )
+            if len(found) >= limit:
+                return compared, found
+    return compared, found
+
+
+def test_compare_answers_as_the_one_by_one_reference(peer, decodes):
+    """The vectorised ``compare`` gives the reference's count and messages, in order, over
+    random pairings with changed, undigested and repeated blocks, layers without digests
+    on either side, and limits that cut inside a layer or at a layer's start."""
+    topology = decodes(E2B, "per_layer", verify=True, packed_mib=16, kv_mib=48).topology
+    groups = 1 + max(o.group for o in topology.owners.values())
+    rng = np.random.default_rng(7)
+    cases = 0
+    for trial in range(60):
+        held, local_ids, remote_ids = [], [], []
+        for _ in range(groups):
+            ids = rng.choice(np.arange(1, 400), size=int(rng.integers(0, 40)), replace=False)
+            held.append([0, *ids.tolist()] if trial % 3 == 0 else ids.tolist())  # null blocks
+            pairs = rng.permutation(ids)[: int(rng.integers(0, len(ids) + 1))].tolist()
+            if trial % 4 == 1 and ids.size:
+                pairs += [int(ids[0]), 999]  # asked twice, and one prefill never held
+            remote_ids.append(pairs)
+            local_ids.append(rng.integers(1, 500, size=len(pairs)).tolist())
+        local, remote = {}, {}
+        for name, owner in topology.owners.items():
+            digested = remote_ids_of(held, owner.group)
+            theirs = rng.integers(0, 2**63, size=len(digested), dtype=np.int64).view(np.uint64)
+            where = {b: i for i, b in enumerate(digested)}
+            pairs = remote_ids[owner.group]
+            mine = np.array([theirs[where[b]] if b in where else 5 for b in pairs], np.uint64)
+            if len(mine) and rng.random() < 0.3:
+                mine[rng.integers(0, len(mine))] ^= np.uint64(1)  # one changed word
+            if rng.random() < 0.1:
+                theirs = theirs[: len(theirs) // 2]  # prefill digested only some
+            if rng.random() > 0.05:
+                remote[name] = theirs
+            if rng.random() > 0.05:
+                local[name] = mine
+        for limit in (1, 3, 5, 10_000):
+            args = (topology, local_ids, remote_ids, local, held, remote, limit)
+            assert compare(*args) == compare_one_by_one(*args), (trial, limit)
+            cases += bool(compare_one_by_one(*args)[1])
+    assert cases > 40  # most cases found something to name
 
 
 def test_kv_changed_after_prefill_digested_it_fails_the_load(peer, decodes):

@@ -90,28 +90,68 @@ def compare(
     """``(layer-blocks compared, mismatches)``: decode's digests of ``local_ids`` against
     prefill's for the paired ``remote_ids``. ``remote`` is prefill's digests of every block
     it holds (``remote_block_ids``, per group). A layer or block prefill did not digest is
-    a mismatch too: nothing unverified passes."""
+    a mismatch too: nothing unverified passes. Stops at ``limit`` mismatches. Vectorised
+    per layer: it runs on decode's engine thread between the bytes in place and the load
+    reported (3 ms for 6,348 layer-blocks at 32k, one by one in Python)."""
     compared, found = 0, []
+    where: dict[int, np.ndarray] = {}  # group -> each pair's index in prefill's digests
     for name in sorted(topology.owners):
         group = topology.owners[name].group
-        mine = local.get(name)
         theirs = remote.get(name)
         if theirs is None:
             found.append(f"layer {name} (group {group}): prefill sent no digests")
             continue
-        where = {int(b): i for i, b in enumerate(remote_ids_of(remote_block_ids, group))}
-        for j, (lb, rb) in enumerate(zip(local_ids[group], remote_ids[group], strict=True)):
-            compared += 1
-            i = where.get(int(rb))
-            if i is None or i >= len(theirs):
-                found.append(f"layer {name} group {group} block {lb}: prefill did not digest {rb}")
-            elif mine is None or int(mine[j]) != int(theirs[i]):
-                found.append(
-                    f"layer {name} group {group}: decode block {lb} differs from prefill block {rb}"
-                )
-            if len(found) >= limit:
-                return compared, found
+        lids, rids = local_ids[group], remote_ids[group]
+        if len(lids) != len(rids):
+            raise ValueError(f"group {group}: {len(lids)} decode blocks for {len(rids)} prefill")
+        if not rids:
+            continue
+        if group not in where:
+            where[group] = digest_positions(remote_ids_of(remote_block_ids, group), rids)
+        at = where[group]
+        missing = (at < 0) | (at >= len(theirs))
+        mine = local.get(name)
+        if mine is None:
+            bad = ~missing
+        else:
+            theirs = np.asarray(theirs)
+            safe = np.where(missing, 0, at)
+            theirs_at = theirs[safe] if len(theirs) else np.zeros(len(rids), theirs.dtype)
+            bad = ~missing & (np.asarray(mine)[: len(rids)] != theirs_at)
+        wrong = np.flatnonzero(missing | bad)
+        room = limit - len(found)
+        if room <= 0:  # full already (layers without digests): this layer's first block
+            wrong, count = wrong[:1][wrong[:1] == 0], 1
+        elif len(wrong) >= room:
+            wrong = wrong[:room]
+            count = int(wrong[-1]) + 1
+        else:
+            count = len(rids)
+        compared += count
+        for j in wrong.tolist():
+            lb, rb = lids[j], rids[j]
+            found.append(
+                f"layer {name} group {group} block {lb}: prefill did not digest {rb}"
+                if missing[j]
+                else f"layer {name} group {group}: decode block {lb} differs from prefill "
+                f"block {rb}"
+            )
+        if len(found) >= limit:
+            return compared, found
     return compared, found
+
+
+def digest_positions(digested: Sequence[int], wanted: Sequence[int]) -> np.ndarray:
+    """Where each of ``wanted`` is in ``digested`` (the last place, if twice), -1 where
+    it is not."""
+    have = np.asarray(digested, dtype=np.int64)
+    want = np.asarray(wanted, dtype=np.int64)
+    order = np.argsort(have, kind="stable")
+    ranked = have[order]
+    pos = np.searchsorted(ranked, want, side="right") - 1
+    hit = pos >= 0
+    hit[hit] = ranked[pos[hit]] == want[hit]
+    return np.where(hit, order[np.maximum(pos, 0)], -1)
 
 
 def remote_ids_of(block_ids: Sequence[Sequence[int]], group: int) -> list[int]:

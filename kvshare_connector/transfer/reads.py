@@ -90,6 +90,7 @@ class Transfer:
     descriptors: int
     slot: int | None = None  # our staging slot, while a packed read uses it
     packed: PackedRead | None = None  # packed: what to READ and then copy out of the slot
+    landed: float | None = None  # when its bytes were seen in place (monotonic)
 
 
 @dataclass(frozen=True)
@@ -99,10 +100,13 @@ class Landing:
     scatter: Copy | None  # packed: the staging slot into the request's blocks
     digests: PendingDigests | None  # verify_kv: decode's digests of its blocks
 
+    def placed(self) -> bool:
+        """The bytes are in the request's blocks (the scatter, when packed, is done)."""
+        return self.scatter is None or self.scatter.done()
+
     def ready(self) -> bool:
-        return (self.scatter is None or self.scatter.done()) and (
-            self.digests is None or self.digests.ready()
-        )
+        """Placed, and decode's digests of the blocks taken."""
+        return self.placed() and (self.digests is None or self.digests.ready())
 
 
 @dataclass

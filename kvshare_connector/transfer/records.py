@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 # posted: the READ was handed to NIXL; arrived: NIXL said it is done; launched: the
 # scatter and decode's digests are queued on the device (arrived -> launched is the host's
 # share of the landing, launched -> landed the device's and the wait until decode looks);
-# landed: its bytes are in decode's blocks (after the scatter, when packed) and the
-# digests taken; verified: decode's digests matched
+# landed: its bytes are in decode's blocks (after the scatter, when packed; the staging
+# slot is free again); verified: decode's digests of the blocks were taken and matched
 # prefill's (verify_kv); reported: the engine learned the load is done (the poll that
 # returned it).
 PHASES = ("asked", "claimed", "posted", "arrived", "launched", "landed", "verified", "reported")

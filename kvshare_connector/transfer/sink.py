@@ -203,7 +203,9 @@ class KVSink:
 
     def _look(self, read: Read) -> bool:
         """One look at a posted READ: once NIXL says done, start what runs on the device
-        after it; once that is done too, check and finish the read (True)."""
+        after it; once the bytes are in place, free the staging slot (the digests read the
+        blocks, not the slot); once decode's digests are taken too, check and finish the
+        read (True)."""
         transfer = read.transfer
         assert transfer is not None
         if read.phase is Phase.READ:
@@ -215,10 +217,14 @@ class KVSink:
             read.mark("arrived")
             self.lander.land(read)
         assert read.landing is not None
+        if transfer.landed is None:
+            if not read.landing.placed():
+                return False
+            transfer.landed = time.monotonic()
+            self.lander.landed(read)
+            read.mark("landed")
         if not read.landing.ready():
             return False
-        self.lander.landed(read)
-        read.mark("landed")
         self.lander.verify(read)
         if read.verified:
             read.mark("verified")
@@ -364,7 +370,7 @@ class KVSink:
                 t.nbytes,
                 t.descriptors,
                 plan.blocks,
-                time.monotonic() - t.started,
+                (t.landed or time.monotonic()) - t.started,
                 t.packed is not None,
                 read.verified,
                 grant.held_s,
