@@ -177,20 +177,6 @@ def test_a_prefill_that_answers_badly_is_not_served_around(
     assert health["served_alone"] == {"decode": 0, "prefill": 0}
 
 
-def test_a_decode_that_answers_badly_is_not_served_around(monkeypatch: Any) -> None:
-    """The control on decode's side: a decode that answered 500 may have run the request;
-    the client gets the 502 and prefill computes nothing more."""
-    monkeypatch.setenv("FAKE_PREFILL_LOCAL", "1")
-    with ExitStack() as stack:
-        pre = stack.enter_context(fake_server("prefill"))
-        bad = stack.enter_context(fake_server("decode", fail_mode="error500"))
-        app = create_app([pre.url], [bad.url], fast(first_token_from_prefill=False))
-        px = stack.enter_context(ThreadServer(app))
-        resp = _ask(px.url, stream=False)
-    assert resp.status_code == 502 and json.loads(resp.text)["error"]["server"] == bad.url
-    assert not _plain(pre) and len(pre.state.requests) == 1
-
-
 @pytest.mark.parametrize("argv, expected", [([], "alone"), (["--side-down", "fail"], "fail")])
 def test_serve_pd_hands_the_choice_to_its_proxy(argv: list[str], expected: str) -> None:
     """``kvshare serve-pd --side-down`` reaches the proxy it starts; a value that is
@@ -211,6 +197,22 @@ def test_serve_pd_hands_the_choice_to_its_proxy(argv: list[str], expected: str) 
                                    "--side-down", "retry"])  # fmt: skip
     with pytest.raises(ValueError, match="side_down"):
         ServeConfig(model="m", side_down="retry")
+
+
+def served_around(
+    decode_url: str, pre: Any, stream: bool, first_token_from_prefill: bool, caplog: Any
+) -> tuple[httpx.Response, httpx.Response, dict[str, Any]]:
+    """A request through a proxy of prefill ``pre`` and a decode at ``decode_url`` that
+    fails under it, the same request to a colocated fake, and the proxy's /health."""
+    with ExitStack() as stack:
+        colo = stack.enter_context(fake_server("colocated"))
+        app = create_app([pre.url], [decode_url],
+                         fast(first_token_from_prefill=first_token_from_prefill))  # fmt: skip
+        px = stack.enter_context(ThreadServer(app))
+        stack.enter_context(caplog.at_level("INFO"))
+        resp = _ask(px.url, stream)
+        base = _ask(colo.url, stream)
+        return resp, base, httpx.get(px.url + "/health", timeout=10).json()
 
 
 def cutting_server(before_cut: bytes = b"") -> Any:
@@ -242,14 +244,7 @@ def test_a_decode_stream_cut_before_any_of_it_was_relayed_is_finished_by_prefill
     with ExitStack() as stack:
         cutter, seen = stack.enter_context(cutting_server())
         pre = stack.enter_context(fake_server("prefill", kvshare_params=True))
-        colo = stack.enter_context(fake_server("colocated"))
-        app = create_app([pre.url], [cutter],
-                         fast(first_token_from_prefill=first_token_from_prefill))  # fmt: skip
-        px = stack.enter_context(ThreadServer(app))
-        stack.enter_context(caplog.at_level("INFO"))
-        resp = _ask(px.url, True)
-        base = _ask(colo.url, True)
-        health = httpx.get(px.url + "/health", timeout=10).json()
+        resp, base, health = served_around(cutter, pre, True, first_token_from_prefill, caplog)
     assert resp.status_code == 200 and len(seen) == 1
     assert not [e for e in sse_events(resp.text) if "error" in e], resp.text
     assert _text(resp, True) == _text(base, True)
@@ -294,14 +289,8 @@ def test_a_decode_whose_engine_died_under_the_request_leaves_prefill_to_serve_it
     with ExitStack() as stack:
         pre = stack.enter_context(fake_server("prefill", kvshare_params=True))
         dead = stack.enter_context(fake_server("decode", fail_mode="engine_dead"))
-        colo = stack.enter_context(fake_server("colocated"))
-        app = create_app([pre.url], [dead.url],
-                         fast(first_token_from_prefill=first_token_from_prefill))  # fmt: skip
-        px = stack.enter_context(ThreadServer(app))
-        stack.enter_context(caplog.at_level("WARNING"))
-        resp = _ask(px.url, stream)
-        base = _ask(colo.url, stream)
-        health = httpx.get(px.url + "/health", timeout=10).json()
+        resp, base, health = served_around(dead.url, pre, stream, first_token_from_prefill,
+                                           caplog)  # fmt: skip
     assert resp.status_code == 200, resp.text
     if stream:
         assert not [e for e in sse_events(resp.text) if "error" in e], resp.text
@@ -315,17 +304,19 @@ def test_a_decode_whose_engine_died_under_the_request_leaves_prefill_to_serve_it
     assert dead.url in warned and "/health then answered HTTP 503" in warned, warned
 
 
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stream, fail_mode", [(False, "error500"), (False, "error_event"),
+                                               (True, "error_event")])  # fmt: skip
 def test_a_decode_that_answers_an_error_while_healthy_is_not_served_around(
-    stream: bool, monkeypatch: Any
+    stream: bool, fail_mode: str, monkeypatch: Any
 ) -> None:
-    """The control: the same answer from a decode whose /health stays 200 (a server that is
-    up may have run the request) reaches the client as an error (a 502 naming decode, or
-    vLLM's own error event in the stream), and prefill computes nothing more."""
+    """The control on decode's side: a decode that answered an error (a 500, or vLLM's own
+    EngineDeadError answer) while its /health stays 200 may have run the request: the
+    client gets it as an error (a 502 naming decode, or vLLM's error event in the stream),
+    and prefill computes nothing more."""
     monkeypatch.setenv("FAKE_PREFILL_LOCAL", "1")
     with ExitStack() as stack:
         pre = stack.enter_context(fake_server("prefill"))
-        bad = stack.enter_context(fake_server("decode", fail_mode="error_event"))
+        bad = stack.enter_context(fake_server("decode", fail_mode=fail_mode))
         app = create_app([pre.url], [bad.url], fast(first_token_from_prefill=False))
         px = stack.enter_context(ThreadServer(app))
         resp = _ask(px.url, stream)
