@@ -191,3 +191,38 @@ def test_rows_keep_request_order_and_merge_only_true_neighbours(stack_topology):
     assert len(descending) == 4 * owners
     assert ascending[:, 1].sum() == descending[:, 1].sum()
     assert descending[:, 0].min() == ascending[:, 0].min()
+
+
+def test_the_cpu_stacks_rendezvous_takes_another_port_when_its_own_was_taken(monkeypatch):
+    """A port picked free can be bound by another process before torch's rendezvous store
+    binds it (EADDRINUSE, seen once in CI): the store is started again on another port; any
+    other error, and a port taken every time, still raise."""
+    import socket
+
+    import torch.distributed as dist
+
+    from kvshare_connector.devtools import cpu_stack
+
+    stores = []
+
+    def listen(port: int) -> None:
+        stores.append(dist.TCPStore("127.0.0.1", port, 1, True, wait_for_workers=False))
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        picks = iter([taken, taken])
+        real = cpu_stack._free_port
+        monkeypatch.setattr(cpu_stack, "_free_port", lambda: next(picks, None) or real())
+        cpu_stack.on_a_free_port(listen)
+        assert len(stores) == 1 and stores[0].port != taken
+        monkeypatch.setattr(cpu_stack, "_free_port", lambda: taken)
+        with pytest.raises(RuntimeError, match="EADDRINUSE"):
+            cpu_stack.on_a_free_port(listen, attempts=3)
+
+    def refused(port: int) -> None:
+        raise RuntimeError("connection refused")
+
+    with pytest.raises(RuntimeError, match="refused"):
+        cpu_stack.on_a_free_port(refused)

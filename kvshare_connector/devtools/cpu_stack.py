@@ -28,6 +28,7 @@ import json
 import os
 import socket
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -116,20 +117,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def on_a_free_port(listen: Callable[[int], None], attempts: int = 5) -> None:
+    """``listen(port)`` on a port free a moment ago, again on another while the port was
+    taken in between (EADDRINUSE): a free port is free only until someone binds it, and
+    the tests start engines and side channels side by side (CI, 2026-12-06: torch's
+    rendezvous store lost its port once in ~650 tests)."""
+    for attempt in range(attempts):
+        try:
+            listen(_free_port())
+            return
+        except RuntimeError as exc:  # torch's DistNetworkError is one
+            if "EADDRINUSE" not in str(exc) or attempt == attempts - 1:
+                raise
+
+
 def _ensure_distributed(vllm_config: Any) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state
 
     if parallel_state._TP is not None:
         return
-    with set_current_vllm_config(vllm_config):
+
+    def init(port: int) -> None:
         parallel_state.init_distributed_environment(
             world_size=1,
             rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
             local_rank=0,
             backend="gloo",
         )
+
+    with set_current_vllm_config(vllm_config):
+        on_a_free_port(init)
         parallel_state.initialize_model_parallel(1, 1)
 
 
