@@ -53,6 +53,11 @@
 #            concurrency 1 and 16, eager, FT_KV_GIB (default 1) of KV per engine; handoff
 #            and graphs sample only ids the tokenizer has text for (the hand-off needs a
 #            first token with text)
+#   nudge    ITL (issue 21): ours' decode ITL p50 was 1.11x (0.26) and 1.22x (0.33)
+#            NixlConnector's at 2k x 16, eager (2026-12-06c). Lead: eager forwards call the
+#            per-layer hook, where decode advances its reads every layer_nudge_ms while any is
+#            in flight; so ours with it (the default), ours without it (layer_nudge_ms 0: at
+#            step boundaries only) and NixlConnector, 2k x 16, 3 rotated rounds, eager
 #   kvcached033  (STACK=033) kvcached 0.1.6 built against vLLM 0.33's torch and `vllm serve`
 #            with ENABLE_KVCACHED=true: whether the engine serves or stops, and its message
 #   faults   the fault matrix (issue 25): FAULT_CASES (default c d e f: prefill hung,
@@ -251,6 +256,17 @@ print("kvcached033 completion:", json.load(u.urlopen(req, timeout=60))["usage"])
       kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
       echo "kvcached033: $verdict" | tee -a "$log"
       grep -m3 -E "KVCachedConfigError|runner adapter|kvcached" "$log"
+      ;;
+    nudge)
+      weights
+      python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/nudge" \
+        --deployments ours nixl --ours-variants nudge='{}' nonudge='{"layer_nudge_ms": 0}' \
+        --prefill-gpu 0 --decode-gpu 0 --gpu-mem 0.13 --kv-cache-gib "${SERVE_KV_GIB:-2}" \
+        --enforce-eager --input-len 2048 --concurrency 16 --num-prompts 0 \
+        --prompts-per-slot 4 --min-prompts 8 --output-len 64 --rounds 3 --warmup-requests 4 \
+        --serve-args "--max-num-seqs 64" --time-budget "${TIME_BUDGET:-360}" --grace 10 \
+        --keep-raw > "$OUT/nudge.log" 2>&1
+      rc=$?; echo "nudge: exit $rc"; pack nudge
       ;;
     serve2k) serve 2048 64 serve2k ;;
     serve8k) serve 8192 48 serve8k ;;
