@@ -37,8 +37,11 @@
 #            4096, 16384, 32768): ours packed, ours block by block, NixlConnector and
 #            colocated, all up at once, concurrency CURVE_CONC (default 1 16 64),
 #            CURVE_ROUNDS rotated rounds (default 3; what the time budget reaches); CURVE_KV_GIB
-#            per engine (default 4: 7 engines share an H200; an H100 holds 7 with 1 GiB each,
-#            not with 2: 2026-12-05); 2 prompts per concurrency slot
+#            per engine (default: 4 on an H200, where 7 engines share it; 1 on an H100, which
+#            holds 7 with 1 GiB each, not with 2: 2026-12-05); CURVE_FT=handoff: ours with the
+#            first token from prefill (the proxy's default, ours-ftp) beside ours on the classic
+#            legs (ours-ftd), both packed, in place of packed and block by block; every
+#            deployment then samples ids the tokenizer has text for; 2 prompts per concurrency slot
 #            up to 4k, 1 beyond; the untimed shape wave's prompts capped at 4k. What fits one
 #            call (2026-12-04, ~115 s to start): 16k with CURVE_CONC="1 16", 16k x 64 with
 #            CURVE_ROUNDS=2, 32k with CURVE_CONC="1 16"; a 32k x 64 run (2M prompt tokens)
@@ -52,7 +55,8 @@
 #            beside the classic legs (ours-ftd), NixlConnector and colocated, at 1k and 4k x
 #            concurrency 1 and 16, eager, FT_KV_GIB (default 1) of KV per engine; handoff
 #            and graphs sample only ids the tokenizer has text for (the hand-off needs a
-#            first token with text)
+#            first token with text); FT_LENS and FT_CONC replace the prompt lengths and
+#            concurrencies
 #   nudge    ITL (issue 21): ours' decode ITL p50 was 1.11x (0.26) and 1.22x (0.33)
 #            NixlConnector's at 2k x 16, eager (2026-12-06c). Lead: eager forwards call the
 #            per-layer hook, where decode advances its reads every layer_nudge_ms while any is
@@ -162,11 +166,19 @@ for step in "$@"; do
       weights
       len=${CURVE_LEN:-1024}
       pps=2; [ "$len" -gt 4096 ] && pps=1
+      ours=(--ours-variants packed='{}' direct='{"staging_mib": 0}')
+      if [ "${CURVE_FT:-}" = handoff ]; then  # the proxy's default beside the classic legs
+        ours=(--ours-variants ftp='{}' ftd='{}' --first-token-from-decode ours-ftd
+              --sample-ids-below 4096)
+      fi
+      # 7 engines: 4 GiB of KV each on an H200, 1 GiB on an H100 (2 did not fit, 2026-12-05)
+      kv=${CURVE_KV_GIB:-$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits |
+        awk 'NR == 1 { print ($1 > 100000 ? 4 : 1) }')}
       # shellcheck disable=SC2086
       python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/curve$len" \
-        --deployments ours nixl colocated --ours-variants packed='{}' direct='{"staging_mib": 0}' \
+        --deployments ours nixl colocated "${ours[@]}" \
         --prefill-gpu 0 --decode-gpu 0 --colocated-gpu 0 --gpu-mem 0.13 \
-        --kv-cache-gib "${CURVE_KV_GIB:-4}" --enforce-eager --input-len "$len" \
+        --kv-cache-gib "$kv" --enforce-eager --input-len "$len" \
         --concurrency ${CURVE_CONC:-1 16 64} --num-prompts 0 --prompts-per-slot $pps \
         --min-prompts 4 --output-len 32 --rounds "${CURVE_ROUNDS:-3}" --warmup-requests 4 \
         --shape-warmup-len 4096 --serve-args "--max-num-seqs 64" \
@@ -186,10 +198,11 @@ for step in "$@"; do
                  kv=${FT_KV_GIB:-1} ;;  # 7 engines: 7.8 GiB of weights + 1 GiB of KV each fit an H100 (2 GiB did not: OOM)
         *) echo "FT_MODE: sync, graphs or handoff, not $mode" >&2; exit 2 ;;
       esac
+      # shellcheck disable=SC2086
       python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/firsttoken-$mode" \
         --deployments ours nixl colocated --prefill-gpu 0 --decode-gpu 0 --colocated-gpu 0 \
-        --gpu-mem 0.13 --kv-cache-gib "$kv" "${extra[@]}" --input-len 1024 4096 \
-        --concurrency "${conc[@]}" \
+        --gpu-mem 0.13 --kv-cache-gib "$kv" "${extra[@]}" --input-len ${FT_LENS:-1024 4096} \
+        --concurrency ${FT_CONC:-${conc[@]}} \
         --num-prompts "$prompts" --prompts-per-slot 2 --output-len 32 --rounds 3 \
         --warmup-requests 4 --serve-args "$sargs" \
         --time-budget "${TIME_BUDGET:-520}" --grace 10 --keep-raw > "$OUT/firsttoken-$mode.log" 2>&1
