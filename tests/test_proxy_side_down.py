@@ -343,11 +343,13 @@ def test_a_prefill_whose_engine_died_is_passed_over_for_another(monkeypatch: Any
                                                           fast())))  # fmt: skip
         one = stack.enter_context(ThreadServer(create_app([dead.url], [dec.url], fast())))
         via_two = _ask(two.url, stream=False)
-        loads = dec.state.hits["loads"]
+        loads, asked_dead = dec.state.hits["loads"], dead.state.hits["completions"]
         via_one = _ask(one.url, stream=False)
+        asked_dead = dead.state.hits["completions"] - asked_dead
         health_one = httpx.get(one.url + "/health", timeout=10).json()
     assert via_two.status_code == 200 and via_one.status_code == 200, via_one.text
     assert good.state.hits["completions"] == 1 and loads == 1  # PD through the good prefill
     assert health_one["served_alone"] == {"decode": 1, "prefill": 0}
+    assert asked_dead == 1  # a dead engine alone on its side is not asked again (2026-12-06d)
     assert [r["body"]["prompt"] for r in dec.state.requests if "kv_transfer_params" not in
             r["body"]] == [QUESTION]  # fmt: skip

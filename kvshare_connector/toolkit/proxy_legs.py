@@ -84,7 +84,8 @@ class Legs:
         With ``resend_dropped`` (the prefill leg) a connection closed without an answer (a
         prefill that died under the request, a reused connection it had closed) is sent
         once more, to the next backend (the same one when it is alone): a prefill answer
-        nobody received only holds blocks until its lease ends. A decode leg is never sent
+        nobody received only holds blocks until its lease ends. A backend whose engine is
+        dead gets it again never: another one, if any, does. A decode leg is never sent
         twice: the first decode may have read the KV, which prefill then freed."""
         tried: list[str] = []
         resent = False
@@ -97,11 +98,12 @@ class Legs:
                 tried.append(url)
                 if err.kind == "backend_unreachable" and len(tried) < len(pool.urls):
                     pool.mark_down(url)
-                elif err.kind in ("backend_dropped", "backend_dead") and resend_dropped \
-                        and not resent:  # fmt: skip
+                elif err.kind == "backend_dropped" and resend_dropped and not resent:
                     resent = True
-                    if err.kind == "backend_dead":
-                        pool.mark_down(url)
+                elif err.kind == "backend_dead" and resend_dropped and not resent \
+                        and len(tried) < len(pool.urls):  # fmt: skip
+                    resent = True
+                    pool.mark_down(url)
                 elif err is exc:
                     raise
                 else:
