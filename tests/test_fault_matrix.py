@@ -87,10 +87,18 @@ def test_fault_timeline_and_verdicts() -> None:
     short["output_lens"][30] = 1
     reqs = fault_report.bench_requests(short, t0 + 61.0, 32)
     assert [k for k, r in enumerate(reqs) if not r["ok"]] == [*range(10, 20), 30]
-    assert reqs[30]["error"] == "stream ended after 1 of 32 tokens"
+    # Its text gave the bench 1 token; it had received 3 chunks (a first and two gaps).
+    assert reqs[30]["error"] == "stream ended after 3 of 32 tokens"
     cut = fault_report.summarize(data, short, t0 + 61.0, 30.0, 32)["measured"]
     assert (cut["completed"], cut["failed"], cut["cut_short"]) == (49, 11, 1)
-    assert "stream ended after 1 of 32 tokens" in cut["errors"]
+    assert "stream ended after 3 of 32 tokens" in cut["errors"]
+    # The request in flight at the fault (+9 s) broken by it: it has no latency, and
+    # counts as in flight, not ok (it used to drop out of the count: "1/1 ok" read "0/0").
+    short["output_lens"][8] = 5
+    kept = fault_report.summarize(data, short, t0 + 61.0, 30.0, 32)["verdicts"][
+        "survivor_kept_serving"]  # fmt: skip
+    assert kept["in_flight_at_fault"] == "0/1 ok"
+    short["output_lens"][8] = 32
     assert fault_report.bench_requests(short, t0 + 61.0)[30]["ok"]  # without the length
     assert m["errors"] == ["HTTP 503"] and m["probe_errors"] == ["HTTP 503"]
     # Restarted at +13 s; the first good request through the front (a bench request sent

@@ -26,7 +26,12 @@ def bench_requests(
     within about a second), success, error. With ``expected_tokens`` (the load ignores
     EOS: every whole answer has that many), a stream that ended short is a failure, which
     vLLM's bench counts as a success once a first token came (a stream broken after it,
-    and since the first token comes from prefill, a decode lost before its first token)."""
+    and since the first token comes from prefill, a decode lost before its first token).
+    How far such a stream got is counted in the chunks it received (its first and one per
+    inter-token gap): vLLM's bench counts a stream's tokens from the usage chunk at its end,
+    which a broken stream never sends, and falls back to tokenizing its text, which for
+    random-init weights is mostly empty ("0 of 32" for streams that had 31 chunks,
+    2026-12-06d)."""
     starts = result.get("start_times") or []
     errors = list(result.get("errors") or [""] * len(starts))
     ttfts = result.get("ttfts") or [None] * len(starts)
@@ -36,7 +41,8 @@ def bench_requests(
         return []
     for k, (err, n) in enumerate(zip(errors, lens, strict=False)):
         if not err and expected_tokens and n is not None and n < expected_tokens:
-            errors[k] = f"stream ended after {n} of {expected_tokens} tokens"
+            chunks = 1 + len(itls[k] or []) if ttfts[k] else 0
+            errors[k] = f"stream ended after {max(n, chunks)} of {expected_tokens} tokens"
     first = min(starts)
     origin = end_wall - float(result.get("duration") or 0.0)
     return [
@@ -115,7 +121,11 @@ def verdicts(data: dict[str, Any], requests: list[dict[str, Any]],
     fault = at(events, "fault") or 0.0
     end = at(events, "load end")
     after_fault = [r for r in requests if r["time"] >= fault]
-    in_flight = [r for r in requests if r["time"] < fault <= r["time"] + (r["latency"] or 0)]
+    # In flight at the fault: started before it and not done by then; a failed request
+    # has no latency (its end is unknown), and one that started before the fault counts
+    # (the fault-free reference fails none).
+    in_flight = [r for r in requests if r["time"] < fault
+                 and (not r["ok"] or fault <= r["time"] + (r["latency"] or 0))]  # fmt: skip
     up = [s["engines"].get(survivor, {}).get("healthy") for s in samples if s["time"] >= fault]
     direct = [p for p in data.get("survivor_probes", []) if p["time"] >= fault]
     stale = data.get("stale_load") or {}
