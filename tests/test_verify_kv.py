@@ -140,6 +140,11 @@ def test_verified_packed_read_between_layouts(peer, decodes):
     # are parts of their own, before it.
     parts = dict(record.landing_host)
     assert parts.pop("digest_plan") > 0 and parts.pop("scatter_plan") > 0, record.landing_host
+    # Their index uploads are parts of them (on the CPU: the digests' indices stay the
+    # array, the scatter's become a tensor over it).
+    for plan in ("digest", "scatter"):
+        upload = parts.pop(f"{plan}_upload")
+        assert 0 <= upload <= record.landing_host[f"{plan}_plan"], record.landing_host
     assert set(parts) == {"release", "scatter", "digests"}, record.landing_host
     launch = record.timeline["launched"] - record.timeline["arrived"]
     assert 0 < sum(parts.values()) <= launch + 1e-3, (record.landing_host, launch)

@@ -54,7 +54,7 @@ def rows(records: list[dict]) -> list[tuple[str, list[float]]]:
         ]))  # fmt: skip
     # planned ahead (digests while the claim was out, the scatter while the READ was):
     # decode's host time, not the load's
-    for part in ("digest_plan", "scatter_plan"):
+    for part in ("digest_plan", "digest_upload", "scatter_plan", "scatter_upload"):
         out.append((f"planned ahead on the host: {part}", [
             r["landing_host"][part] * 1e3 for r in moved if part in (r.get("landing_host") or {})
         ]))  # fmt: skip

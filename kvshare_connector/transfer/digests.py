@@ -17,6 +17,7 @@ torch is imported lazily: the transfer layer stays importable without it.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +82,7 @@ class DigestPlan:
     indices: Any  # np.ndarray, or the uploaded tensor
     slices: dict[str, tuple[int, int]]  # layer -> (first, count) in the output
     total: int
+    upload_s: float = 0.0  # host seconds of the index upload, a part of the planning
 
 
 class Digester:
@@ -123,8 +125,10 @@ class Digester:
             return DigestPlan(groups, indices, slices, total)
         import torch
 
+        clock = time.perf_counter()
         with torch.cuda.stream(self._stream):
-            return DigestPlan(groups, upload(indices, self.device), slices, total)
+            uploaded = upload(indices, self.device)
+        return DigestPlan(groups, uploaded, slices, total, time.perf_counter() - clock)
 
     def launch(
         self, plan: DigestPlan, after: Copy | None = None, after_compute: bool = True

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -140,6 +141,7 @@ class CopyPlan:
 
     spans: list[tuple[Any, int, int]]
     index: Any  # the KV side's rows, then the staging side's, for each span in turn
+    upload_s: float = 0.0  # host seconds of the index upload, a part of the planning
 
 
 class Copy:
@@ -229,9 +231,10 @@ class Packer:
             return CopyPlan([], None)
         stream = self._stream
         context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        clock = time.perf_counter()
         with context:
             index = upload(np.concatenate(parts), self.staging.buffer.device)
-        return CopyPlan(plans, index)
+        return CopyPlan(plans, index, time.perf_counter() - clock)
 
     def _launch(self, plan: CopyPlan, to_staging: bool, wait: bool, slot: int = 0) -> Copy:
         """On the side stream, by default behind all the compute stream has queued. Not
