@@ -85,7 +85,7 @@ class Legs:
         prefill that died under the request, a reused connection it had closed) is sent
         once more, to the next backend (the same one when it is alone): a prefill answer
         nobody received only holds blocks until its lease ends. A backend whose engine is
-        dead gets it again never: another one, if any, does. A decode leg is never sent
+        dead is not asked again: the leg goes to another one, if any. A decode leg is never sent
         twice: the first decode may have read the KV, which prefill then freed."""
         tried: list[str] = []
         resent = False

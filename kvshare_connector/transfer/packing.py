@@ -231,9 +231,10 @@ class Packer:
             return CopyPlan([], None)
         stream = self._stream
         context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        indices = np.concatenate(parts)
         clock = time.perf_counter()
         with context:
-            index = upload(np.concatenate(parts), self.staging.buffer.device)
+            index = upload(indices, self.staging.buffer.device)
         return CopyPlan(plans, index, time.perf_counter() - clock)
 
     def _launch(self, plan: CopyPlan, to_staging: bool, wait: bool, slot: int = 0) -> Copy:
