@@ -257,8 +257,11 @@ def test_a_packed_read_lands_and_frees_its_slot_while_its_digests_still_run(
     assert record.verified == layer_blocks(decode.topology, local_ids)
     timeline = record.timeline
     assert timeline["landed"] + 0.05 <= timeline["verified"], timeline
-    # the record's READ seconds end with the bytes in place, not with the digests
-    assert record.seconds < timeline["verified"] - timeline["posted"] - 0.04, record
+    # The record's READ seconds end with the bytes in place, not with the digests: they
+    # start inside the post, after the claim (a loaded CI box spent 15 ms between the
+    # start and the `posted` mark, so the bound is the claim, not the mark), and end at
+    # `landed`, 50 ms before `verified` here.
+    assert record.seconds <= timeline["landed"] - timeline["claimed"] + 1e-4, record
 
 
 def compare_one_by_one(topology, local_ids, remote_ids, local, remote_block_ids, remote,
