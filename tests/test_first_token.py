@@ -14,6 +14,7 @@ from kvshare_connector.toolkit.first_token import (
     count_first_token_as_output,
     decode_body_after,
     first_token_of,
+    first_token_or_why,
     ineligible,
     opening_events,
 )
@@ -230,20 +231,46 @@ def test_the_first_token_reaches_the_client_before_decode_answers() -> None:
     ],
     ids=lambda c: next(iter(c)) if isinstance(c, dict) else c,
 )
-def test_the_first_token_comes_from_decode_where_the_output_could_differ(change: Any) -> None:
+def test_the_first_token_comes_from_decode_where_the_output_could_differ(
+    change: Any, caplog: Any
+) -> None:
     """Requests whose output could depend on where it starts, and a prefill that does not
     state its prompt (NIXL's: its decode would not take a longer prompt), keep the classic
-    legs: decode gets the client's token count and no token appended."""
+    legs: decode gets the client's token count and no token appended; the proxy's log line
+    says why (a prompt given as ids has none to give: no ids to hand decode either)."""
     body = {"prompt": QUESTION, "max_tokens": 6, "stream": True}
     kwargs = {"kvshare_params": False} if change == "prefill_of_elsewhere" else {}
     if isinstance(change, dict):
         body.update(change)
-    with pd_stack(**kwargs) as (url, _, decodes):
+    proxy_log = caplog.at_level("INFO", logger="kvshare_connector.toolkit.proxy")
+    with proxy_log, pd_stack(**kwargs) as (url, _, decodes):
         resp = httpx.post(url + "/v1/completions", json=body, timeout=10)
     assert resp.status_code == 200, resp.text
     (dec,) = [r["body"] for r in decodes[0].state.requests]
     assert dec["max_tokens"] == body["max_tokens"]
     assert isinstance(dec["prompt"], str) or max(dec["prompt"]) < word_id("")
+    why = {"stream": "not streamed", "seed": "seed=7", "stop": "stop=['Question:']",
+           "logprobs": "logprobs=1", "max_tokens": "max_tokens=1",
+           "frequency_penalty": "frequency_penalty=0.5", "prompt": None,
+           "response_format": "field 'response_format'",
+           "prefill_of_elsewhere": "prefill's answer states no prompt digest"}  # fmt: skip
+    name = next(iter(change)) if isinstance(change, dict) else change
+    lines = [r.getMessage() for r in caplog.records if "decode=" in r.getMessage()]
+    said = [line.split("first token from decode: ")[-1] for line in lines
+            if "first token from decode: " in line]  # fmt: skip
+    assert said == ([why[name]] if why[name] else []), lines
+
+
+def test_the_proxy_log_says_why_prefills_token_could_not_open_the_stream() -> None:
+    """What the log names for a token that cannot open the stream (2026-12-06d: 4-8
+    streams per run took the classic legs and the log did not say why)."""
+    cases = {"text": ("", "no text of its own"), "token_ids": ([1, 2], "not one token id")}
+    for field, (value, reason) in cases.items():
+        why = first_token_or_why(_answer(**{field: value}))
+        assert isinstance(why, str) and reason in why, why
+    assert "mid-character" in first_token_or_why(_answer(text="caf\ufffd"))
+    assert "'abort'" in first_token_or_why(_answer(finish_reason="abort"))
+    assert not isinstance(first_token_or_why(_answer()), str)
 
 
 def test_a_decode_that_fails_after_the_first_token_ends_the_stream_with_an_error() -> None:

@@ -119,19 +119,28 @@ class FirstToken:
 
 
 def first_token_of(answer: Any) -> FirstToken | None:
-    """The token in prefill's answer, or None where it cannot open the stream (no single
-    token id, text empty or ending mid-character, an unknown finish)."""
+    """The token in prefill's answer, or None where it cannot open the stream."""
+    first = first_token_or_why(answer)
+    return first if isinstance(first, FirstToken) else None
+
+
+def first_token_or_why(answer: Any) -> FirstToken | str:
+    """The token in prefill's answer, or why it cannot open the stream (no single token
+    id, text empty or ending mid-character, an unknown finish): the proxy's log says which,
+    for the requests that then take the classic legs."""
     try:
         choice = answer["choices"][0]
         ids, text, finish = choice["token_ids"], choice["text"], choice["finish_reason"]
     except (KeyError, IndexError, TypeError):
-        return None
+        return "prefill's answer has no choice with token_ids, text and finish_reason"
     if not isinstance(ids, list) or len(ids) != 1 or type(ids[0]) is not int or ids[0] < 0:
-        return None
-    if not isinstance(text, str) or not text or text.endswith("\ufffd"):
-        return None
+        return f"prefill's answer has token_ids {ids!r}, not one token id"
+    if not isinstance(text, str) or not text:
+        return "prefill's token has no text of its own"
+    if text.endswith("\ufffd"):
+        return "prefill's token ends mid-character"
     if finish not in ("length", "stop"):
-        return None
+        return f"prefill's answer finished with {finish!r}"
     return FirstToken(
         token_id=ids[0],
         text=text,

@@ -36,7 +36,7 @@ from kvshare_connector.toolkit.first_token import (
     FirstToken,
     count_first_token_as_output,
     decode_body_after,
-    first_token_of,
+    first_token_or_why,
     ineligible,
     opening_events,
 )
@@ -238,7 +238,7 @@ class PDProxy(Legs):
                              "the request's KV until its lease ends", server=decode_url,
                              kind="decode_dropped") from exc  # fmt: skip
         first = self._first_token(path, body, kv, token_ids, answer)
-        if first is not None and token_ids is not None:
+        if isinstance(first, FirstToken) and token_ids is not None:
             logger.info(
                 "req=%s %s prefill=%s decode=%s: prefill %.1f ms, first token from prefill; "
                 "prompt as %d token ids",
@@ -264,7 +264,7 @@ class PDProxy(Legs):
                 raise
             return await self.alone("prefill", path, body, headers, exc)
         logger.info(
-            "req=%s %s prefill=%s decode=%s stream=%s: prefill %.1f ms, decode %s %.1f ms%s",
+            "req=%s %s prefill=%s decode=%s stream=%s: prefill %.1f ms, decode %s %.1f ms%s%s",
             request_id,
             path,
             prefill_url,
@@ -274,6 +274,7 @@ class PDProxy(Legs):
             "stream opened" if stream else "done",
             (time.perf_counter() - t1) * 1e3,
             f"; prompt as {len(token_ids)} token ids" if token_ids is not None else "",
+            f"; first token from decode: {first}" if first else "",
         )
         response.headers[REQUEST_ID_HEADER] = request_id
         return response
@@ -285,15 +286,17 @@ class PDProxy(Legs):
         kv: dict[str, Any],
         token_ids: list[int] | None,
         answer: dict[str, Any],
-    ) -> FirstToken | None:
+    ) -> FirstToken | str | None:
         """Prefill's token where it can open the client's stream (first_token.py): a
         request that allows it, a prefill of ours (it states the prompt it computed, so
-        its decode takes a prompt extending it), the prompt's ids in hand."""
+        its decode takes a prompt extending it), the prompt's ids in hand. Otherwise why
+        not, for the log (None: the hand-off is off, or the prompt's ids are not at hand)."""
         if not self.options.first_token_from_prefill or token_ids is None:
             return None
-        if not kv.get("remote_prompt_digest") or ineligible(path, body):
-            return None
-        return first_token_of(answer)
+        if not kv.get("remote_prompt_digest"):
+            return "prefill's answer states no prompt digest"
+        why = ineligible(path, body)
+        return why or first_token_or_why(answer)
 
     async def passthrough(self, request: Request, method: str, path: str) -> Response:
         """Forward a non-PD request (models, tokenize) to the next decode server."""
