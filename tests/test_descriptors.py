@@ -213,11 +213,11 @@ def test_the_cpu_stacks_rendezvous_takes_another_port_when_its_own_was_taken(mon
         busy.listen()
         taken = busy.getsockname()[1]
         picks = iter([taken, taken])
-        real = cpu_stack._free_port
-        monkeypatch.setattr(cpu_stack, "_free_port", lambda: next(picks, None) or real())
+        real = cpu_stack.pick_free_port
+        monkeypatch.setattr(cpu_stack, "pick_free_port", lambda: next(picks, None) or real())
         cpu_stack.on_a_free_port(listen)
         assert len(stores) == 1 and stores[0].port != taken
-        monkeypatch.setattr(cpu_stack, "_free_port", lambda: taken)
+        monkeypatch.setattr(cpu_stack, "pick_free_port", lambda: taken)
         with pytest.raises(RuntimeError, match="EADDRINUSE"):
             cpu_stack.on_a_free_port(listen, attempts=3)
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from typing import Any
 from unittest import mock
 
 from kvshare_connector.common.files import write_atomic
+from kvshare_connector.toolkit.procs import pick_free_port
 
 MODELS = ("gemma4_e2b_shape", "g4tiny", "g4uniform", "gemma4_e2b_kv4")  # kv4: 4 KV heads (TP)
 LAYOUTS = ("per_layer", "cross_layer", "kvcached_contiguous", "kvcached_per_layer")
@@ -111,12 +111,6 @@ def _cuda_backend_choice(cls: Any, selected_backend: Any, *args: Any, **kwargs: 
     return selected_backend.get_path() if selected_backend is not None else FLASH_ATTN
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def on_a_free_port(listen: Callable[[int], None], attempts: int = 5) -> None:
     """``listen(port)`` on a port free a moment ago, again on another while the port was
     taken in between (EADDRINUSE): a free port is free only until someone binds it, and
@@ -124,7 +118,7 @@ def on_a_free_port(listen: Callable[[int], None], attempts: int = 5) -> None:
     rendezvous store lost its port once in ~650 tests)."""
     for attempt in range(attempts):
         try:
-            listen(_free_port())
+            listen(pick_free_port())
             return
         except RuntimeError as exc:  # torch's DistNetworkError is one
             if "EADDRINUSE" not in str(exc) or attempt == attempts - 1:
