@@ -45,7 +45,9 @@
 #            up to 4k, 1 beyond; the untimed shape wave's prompts capped at 4k. What fits one
 #            call (2026-12-04, ~115 s to start): 16k with CURVE_CONC="1 16", 16k x 64 with
 #            CURVE_ROUNDS=2, 32k with CURVE_CONC="1 16"; a 32k x 64 run (2M prompt tokens)
-#            takes ~110 s per deployment, so 3 rounds of it do not fit one call
+#            takes ~110 s per deployment, so 3 rounds of it do not fit one call. curve and
+#            firsttoken keep every request's ITLs (--save-detailed): ours' ITL p50 at 32k x 1
+#            was 1.5x NixlConnector's on 2026-12-06d, and the bench's JSONs held aggregates only
 #   firsttoken  concurrency 1 at 1k and 4k (ours packed, NixlConnector, colocated, 3 rounds)
 #            with FT_MODE=sync (eager, every engine --no-async-scheduling) or graphs (CUDA
 #            graphs and torch.compile, async scheduling as vLLM's default): whether PD's
@@ -182,7 +184,8 @@ for step in "$@"; do
         --concurrency ${CURVE_CONC:-1 16 64} --num-prompts 0 --prompts-per-slot $pps \
         --min-prompts 4 --output-len 32 --rounds "${CURVE_ROUNDS:-3}" --warmup-requests 4 \
         --shape-warmup-len 4096 --serve-args "--max-num-seqs 64" \
-        --time-budget "${TIME_BUDGET:-540}" --grace 10 --keep-raw > "$OUT/curve$len.log" 2>&1
+        --time-budget "${TIME_BUDGET:-540}" --grace 10 --keep-raw --save-detailed \
+        > "$OUT/curve$len.log" 2>&1
       rc=$?; echo "curve $len: exit $rc"; pack "curve$len"
       ;;
     firsttoken)
@@ -205,7 +208,8 @@ for step in "$@"; do
         --concurrency ${FT_CONC:-${conc[@]}} \
         --num-prompts "$prompts" --prompts-per-slot 2 --output-len 32 --rounds 3 \
         --warmup-requests 4 --serve-args "$sargs" \
-        --time-budget "${TIME_BUDGET:-520}" --grace 10 --keep-raw > "$OUT/firsttoken-$mode.log" 2>&1
+        --time-budget "${TIME_BUDGET:-520}" --grace 10 --keep-raw --save-detailed \
+        > "$OUT/firsttoken-$mode.log" 2>&1
       rc=$?; echo "firsttoken $mode: exit $rc"; pack "firsttoken-$mode"
       ;;
     faults)
