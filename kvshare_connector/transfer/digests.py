@@ -17,7 +17,6 @@ torch is imported lazily: the transfer layer stays importable without it.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +26,14 @@ import numpy as np
 from kvshare_connector.layout.staging import word_indices, word_size
 from kvshare_connector.layout.topology import KVTopology
 from kvshare_connector.layout.verification import layer_runs, weights
-from kvshare_connector.transfer.packing import Copy, MemoryMap, PackingError, side_stream, upload
+from kvshare_connector.transfer.packing import (
+    Copy,
+    MemoryMap,
+    PackingError,
+    side_stream,
+    upload,
+    upload_on,
+)
 
 CHUNK_BYTES = 64 << 20  # bytes gathered at once: bounds the temporary memory
 
@@ -123,12 +129,8 @@ class Digester:
         groups, indices, slices, total = self._plan(topology, real)
         if self._stream is None:
             return DigestPlan(groups, indices, slices, total)
-        import torch
-
-        clock = time.perf_counter()
-        with torch.cuda.stream(self._stream):
-            uploaded = upload(indices, self.device)
-        return DigestPlan(groups, uploaded, slices, total, time.perf_counter() - clock)
+        uploaded, seconds = upload_on(self._stream, indices, self.device)
+        return DigestPlan(groups, uploaded, slices, total, seconds)
 
     def launch(
         self, plan: DigestPlan, after: Copy | None = None, after_compute: bool = True

@@ -60,7 +60,7 @@ class Lander:
             clock = time.perf_counter()
             read.digest_plan = self.digester.plan(self.topology, plan.local_ids)
             read.lap("digest_plan", clock)
-            read.landing_host["digest_upload"] = round(read.digest_plan.upload_s, 6)
+            read.note("digest_upload", read.digest_plan.upload_s)
         if self.packer is not None and prefill is not None and read.packed_ahead is None:
             clock = time.perf_counter()
             layout = packed_layout_of(prefill, read.order.params.remote_block_ids)
@@ -68,7 +68,7 @@ class Lander:
             read.packed_ahead = PackedAhead(layout.nbytes, packed)
             read.scatter_plan = self._plan_scatter(packed)
             read.lap("scatter_plan", clock)
-            read.landing_host["scatter_upload"] = round(read.scatter_plan.upload_s, 6)
+            read.note("scatter_upload", read.scatter_plan.upload_s)
 
     def plan_scatter(self, read: Read) -> None:
         """A packed READ was just posted that was not planned ahead (prefill packed it in

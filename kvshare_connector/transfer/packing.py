@@ -169,6 +169,18 @@ def upload(indices: np.ndarray, device: Any) -> Any:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def upload_on(stream: Any, indices: np.ndarray, device: Any) -> tuple[Any, float]:
+    """``upload`` on ``stream`` (None: the current one), so that work launched there later
+    is ordered after it; and the host seconds it took (a part of a plan, in the read log)."""
+    import torch
+
+    context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    clock = time.perf_counter()
+    with context:
+        uploaded = upload(indices, device)
+    return uploaded, time.perf_counter() - clock
+
+
 def side_stream(device: Any) -> Any:
     """The device's highest-priority stream, for work a load waits on (gather, scatter,
     digests): its blocks are scheduled ahead of the engine's forward as soon as SMs free
@@ -218,8 +230,6 @@ class Packer:
         offsets ``staged`` of the area (or of a slot: slots start on ``ALIGN``, a multiple
         of every word), per storage, uploaded in one go (on the side stream, so a copy
         launched there later is ordered after it)."""
-        import torch
-
         plans, parts = [], []
         for span, rows in self.memory.split(addr, length):
             offsets = addr[rows] - span.start
@@ -229,13 +239,8 @@ class Packer:
             plans.append((span, word, kv_idx.size))
         if not plans:
             return CopyPlan([], None)
-        stream = self._stream
-        context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        indices = np.concatenate(parts)
-        clock = time.perf_counter()
-        with context:
-            index = upload(indices, self.staging.buffer.device)
-        return CopyPlan(plans, index, time.perf_counter() - clock)
+        index, seconds = upload_on(self._stream, np.concatenate(parts), self.staging.buffer.device)
+        return CopyPlan(plans, index, seconds)
 
     def _launch(self, plan: CopyPlan, to_staging: bool, wait: bool, slot: int = 0) -> Copy:
         """On the side stream, by default behind all the compute stream has queued. Not

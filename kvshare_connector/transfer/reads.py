@@ -143,8 +143,12 @@ class Read:
         """Note the host seconds ``part`` of the landing took since ``since`` (a
         ``perf_counter`` reading); the clock now."""
         now = time.perf_counter()
-        self.landing_host[part] = round(now - since, 6)
+        self.note(part, now - since)
         return now
+
+    def note(self, part: str, seconds: float) -> None:
+        """Note the host seconds of ``part`` of the landing (the read log's ``landing_host``)."""
+        self.landing_host[part] = round(seconds, 6)
 
 
 def claim_batches(reads: list[Read]) -> list[list[Read]]:
