@@ -8,7 +8,7 @@ between the claim and the READ posted. This times the host's share of each step,
 vLLM-laid-out CPU tensors (``devtools.cpu_stack``):
 - the descriptors (``transfer_descriptors``) and NIXL's preparation of them (no post),
   before the READ;
-- the packed plan (``packed_read_of``) and the index plans of the scatter (``word_indices``)
+- the packed plan (``packed_read_of``) and the index plans of the scatter (``Packer.plan_copy``)
   and of the digests (``Digester.plan``), which decode makes while its claim is out, off
   the load's path;
 - comparing the digests (``compare``).
@@ -87,8 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     from kvshare_connector.layout.staging import (
         PackedLayout,
         packed_read_of,
-        word_indices,
-        word_size,
     )
     from kvshare_connector.layout.verification import compare
 
@@ -110,18 +108,18 @@ def main(argv: list[str] | None = None) -> int:
                  f"{packed.nbytes:,} bytes"))  # fmt: skip
     s = packed.scatter
     packer = demo.cpu_packer(stack, max(64, packed.nbytes >> 20) + 16)
-    offsets, lengths = s[:, 1], s[:, 2]  # in the slot: planned before it is allocated
-    ms, idx = timed(lambda: word_indices(offsets, lengths, word_size(offsets, lengths)),
-                    args.repeat)  # fmt: skip
-    rows.append(("scatter index plan, staging side (word_size + word_indices; ahead)", ms,
-                 f"{idx.size:,} words"))  # fmt: skip
+    # In the slot's offsets: planned before the slot is allocated.
+    ms, ahead = timed(lambda: packer.plan_copy(s[:, 0], s[:, 2], s[:, 1]), args.repeat)
+    rows.append(("scatter index plan (Packer.plan_copy; ahead)", ms,
+                 f"{ahead.rows:,} words of {ahead.word} bytes, one indexed copy"))  # fmt: skip
     digester = demo.cpu_digester(stack)
     ms, plan = timed(lambda: digester.plan(topo, decode_ids), args.repeat)
     rows.append(("digest plan (Digester.plan; made while the claim is out)", ms,
                  f"{len(topo.owners)} layers in {len(plan.groups)} gathers"))  # fmt: skip
     slot = packer.staging.allocate(packed.nbytes)
     assert slot is not None
-    ms, _ = timed(lambda: packer.scatter(s[:, 0], s[:, 2], s[:, 1], slot=slot), args.repeat)
+    ms, _ = timed(lambda: packer.scatter(s[:, 0], s[:, 2], s[:, 1], slot=slot, plan=ahead),
+                  args.repeat)  # fmt: skip
     rows.append(("scatter, whole (CPU: the copy runs inline)", ms, ""))
     ms, pending = timed(lambda: digester.start(topo, decode_ids), args.repeat)
     rows.append(("digests, whole (CPU: the sums run inline)", ms, ""))

@@ -17,7 +17,7 @@ from kvshare_connector.layout.staging import (
     word_indices,
     word_size,
 )
-from kvshare_connector.transfer.packing import ALIGN, MemoryMap, Packer, StagingArea
+from kvshare_connector.transfer.packing import ALIGN, MemoryMap, Packer, PackingError, StagingArea
 
 from .support.blockutil import disjoint_block_ids
 
@@ -129,6 +129,86 @@ def test_decode_reading_only_the_tail_reads_only_its_bytes():
     assert (
         kvcheck.mismatches(decode[0].kv_caches, decode[1], local_ids, first_positions=first) == []
     )
+
+
+def _copy_ops(fn) -> dict[str, int]:
+    """How many indexed-copy ops ``fn`` ran (torch's profiler, CPU)."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    names = [e.name for e in prof.events()]
+    return {op: names.count(op) for op in ("aten::index_copy_", "aten::index_select")}
+
+
+def test_a_request_over_several_storages_is_one_indexed_copy_each_way():
+    """E2B's KV lies in several storages; a request's gather and scatter go through one
+    view over them all (``MemoryMap.window``): one indexed copy each, not two per storage
+    (the host's launches were most of a landing on the GPU, 2026-12-06d)."""
+    prefill, decode = fresh("gemma4_e2b_shape", "per_layer"), fresh("gemma4_e2b_shape", "per_layer")
+    counts = [5] * len(prefill[1].groups)
+    remote_ids = disjoint_block_ids(prefill[1].num_blocks, counts, seed=11)
+    local_ids = disjoint_block_ids(decode[1].num_blocks, counts, seed=12)
+    kvcheck.fill(prefill[0].kv_caches, prefill[1], remote_ids)
+    storages = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                for t in tensors_of(decode[0])}  # fmt: skip
+    runs = request_descriptors(decode[1], local_ids)[:, 0].astype(np.int64)
+    touched = {s for s, n in storages for a in runs.tolist() if s <= a < s + n}
+    assert len(touched) > 1  # the case: the request's blocks lie in several storages
+
+    ops: list[dict[str, int]] = []
+    real_launch = Packer._launch
+
+    def counted(self, *args, **kwargs):
+        result = []
+        ops.append(_copy_ops(lambda: result.append(real_launch(self, *args, **kwargs))))
+        return result[0]
+
+    Packer._launch = counted
+    try:
+        move(prefill, decode, remote_ids, local_ids)
+    finally:
+        Packer._launch = real_launch
+    assert ops == [{"aten::index_copy_": 0, "aten::index_select": 1},  # gather
+                   {"aten::index_copy_": 1, "aten::index_select": 0}]  # scatter  # fmt: skip
+    assert kvcheck.mismatches(decode[0].kv_caches, decode[1], local_ids) == []
+
+
+def test_runs_in_the_gap_between_storages_are_refused():
+    """The window spans the gaps between storages; a run there (or past the last) is
+    refused before any copy, naming its address."""
+    import torch
+
+    a, b = torch.zeros(1 << 16, dtype=torch.uint8), torch.zeros(1 << 16, dtype=torch.uint8)
+    memory = MemoryMap([a, b])
+    lo, hi = sorted([a.data_ptr(), b.data_ptr()])
+    window = memory.check(np.array([lo, hi]), np.array([4096, 4096]))
+    assert window.start == lo and window.end == hi + (1 << 16)
+    with pytest.raises(PackingError, match=f"{lo + (1 << 16):#x}"):
+        memory.check(np.array([lo, lo + (1 << 16)]), np.array([4096, 16]))  # just past a
+    with pytest.raises(PackingError, match="no KV tensor holds"):
+        memory.check(np.array([hi + (1 << 16) - 8]), np.array([16]))  # runs past b's end
+
+
+def test_staging_offsets_with_gaps_still_land():
+    """Offsets not back to back in the slot (not how a request is packed, still allowed):
+    the staging side takes its own indices."""
+    import torch
+
+    kv = torch.zeros(1 << 16, dtype=torch.uint8)
+    packer = Packer(MemoryMap([kv]), StagingArea(1 << 16, "cpu"))
+    packer.staging.buffer[:] = torch.arange(1 << 16, dtype=torch.int64).to(torch.uint8)
+    base = kv.data_ptr()
+    addr = np.array([base + 8192, base + 4096], dtype=np.int64)
+    length = np.array([4096, 2048], dtype=np.int64)
+    staged = np.array([0, 8192], dtype=np.int64)  # a gap after the first run
+    plan = packer.plan_copy(addr, length, staged)
+    assert plan.staged_row is None
+    packer.scatter(addr, length, staged, plan=plan).wait()
+    area = packer.staging.buffer
+    assert torch.equal(kv[8192:12288], area[:4096])
+    assert torch.equal(kv[4096:6144], area[8192:10240])
+    assert int(kv[:4096].sum()) == 0 and int(kv[12288:].sum()) == 0
 
 
 def test_runs_outside_the_packed_request_are_refused():

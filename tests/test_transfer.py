@@ -294,7 +294,7 @@ def test_a_packed_read_is_reported_only_once_its_scatter_is_done(peer, decoders,
     result = packed.read(request, local_ids, new_id("landing"))
     assert_landed(packed, result, local_ids)
     assert result.packed and queries[-1] is True and len(queries) >= 7
-    assert len(plans) == 1 and plans[0] is not None and plans[0].spans, plans
+    assert len(plans) == 1 and plans[0] is not None and plans[0].rows, plans
     landing = [used for phase, used in seen if phase is Phase.LAND]
     assert len(landing) >= 2 and all(landing)  # polled while it ran: the slot stayed taken
     assert packed.sink.packer.staging.used == {}  # and came back once it was done

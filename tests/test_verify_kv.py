@@ -414,13 +414,17 @@ def test_digest_reference_matches_the_kernel_and_sees_one_word():
         assert verification.digest_bytes(swapped) != verification.digest_bytes(block)
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 1])
 @pytest.mark.parametrize(
     ("model", "layout"), [("g4tiny", "per_layer"), (E2B, "kvcached_contiguous"), (E2B, "per_layer")]
 )
-def test_every_layer_block_digest_equals_the_reference(model, layout):
-    """Layers of one block shape in one storage are digested together, in one gather: each
-    layer's digests must still be its own blocks', in order (the host reference, block by
-    block). The control: a plan of other blocks gives other digests."""
+def test_every_layer_block_digest_equals_the_reference(model, layout, chunk_bytes, monkeypatch):
+    """Layers of one block shape are digested together, in one gather through the window
+    over every storage: each layer's digests must still be its own blocks', in order (the
+    host reference, block by block), also gathered a block at a time (``chunk_bytes`` 1:
+    every chunk boundary). The control: a plan of other blocks gives other digests."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr("kvshare_connector.transfer.digests.CHUNK_BYTES", chunk_bytes)
     stack, topology = build(model, layout, 64, 2048)
     ids = request_block_ids(topology, 600, seed=4)
     kvcheck.fill(stack.kv_caches, topology, ids, seed=4)
@@ -439,8 +443,7 @@ def test_every_layer_block_digest_equals_the_reference(model, layout):
         assert [int(d) for d in digests[runs.name]] == want, runs.name
         checked += len(want)
     assert checked == sum(len(ids[o.group]) for o in topology.owners.values())
-    if layout == "kvcached_contiguous":  # one storage: fewer gathers than layers
-        assert len(plan.groups) < len(topology.owners), plan.groups
+    assert len(plan.groups) < len(topology.owners), plan.groups  # fewer gathers than layers
     other = [list(reversed(group)) for group in ids]
     moved = digester.start(topology, other).result()
     assert any((moved[n] != digests[n]).any() for n in digests if digests[n].size > 1)

@@ -64,6 +64,16 @@
 #            per-layer hook, where decode advances its reads every layer_nudge_ms while any is
 #            in flight; so ours with it (the default), ours without it (layer_nudge_ms 0: at
 #            step boundaries only) and NixlConnector, 2k x 16, 3 rotated rounds, eager
+#   itl      decode's ITL at a long prompt, concurrency 1 (issue 21: ours' ITL p50 was 55-57 ms
+#            against NixlConnector's 37 at 32k x 1, 2026-12-06d): ours as it is, ours with
+#            layer_nudge_ms 0 and ours without NIXL's progress thread, all on the classic
+#            legs (decode samples the first token, as with NixlConnector), and NixlConnector
+#            (on an H100 without the layer_nudge_ms 0 variant: 8 engines do not fit);
+#            ITL_LEN (default 32768), 48 tokens out, 3 rotated rounds, every request's ITLs
+#   kvcurve  kvcached along the curve (issue 21: kvcached contiguous and per-layer <= 1.1x
+#            plain TTFT at every point): ours plain, ours under kvcached contiguous and
+#            per-layer, first token from prefill (the proxy's default); CURVE_LEN (default
+#            16384) x CURVE_CONC (default 1 16), 3 rotated rounds
 #   kvcached033  (STACK=033) kvcached 0.1.6 built against vLLM 0.33's torch and `vllm serve`
 #            with ENABLE_KVCACHED=true: whether the engine serves or stops, and its message
 #   faults   the fault matrix (issue 25): FAULT_CASES (default c d e f: prefill hung,
@@ -284,6 +294,43 @@ print("kvcached033 completion:", json.load(u.urlopen(req, timeout=60))["usage"])
         --serve-args "--max-num-seqs 64" --time-budget "${TIME_BUDGET:-360}" --grace 10 \
         --keep-raw > "$OUT/nudge.log" 2>&1
       rc=$?; echo "nudge: exit $rc"; pack nudge
+      ;;
+    itl)
+      weights
+      kv=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits |
+        awk 'NR == 1 { print ($1 > 100000 ? 2 : 1) }')
+      # 8 engines (7.8 GiB of weights each) do not fit an H100: there, 6 (no nonudge)
+      ours=(base='{}' noprog='{"nixl_progress_thread": false}')
+      [ "$kv" = 2 ] && ours+=(nonudge='{"layer_nudge_ms": 0}')
+      classic=(); for o in "${ours[@]}"; do classic+=("ours-${o%%=*}"); done
+      python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/itl" \
+        --deployments ours nixl --ours-variants "${ours[@]}" \
+        --first-token-from-decode "${classic[@]}" \
+        --prefill-gpu 0 --decode-gpu 0 --gpu-mem 0.11 --kv-cache-gib "$kv" --enforce-eager \
+        --input-len "${ITL_LEN:-32768}" --concurrency 1 --num-prompts 0 --prompts-per-slot 4 \
+        --min-prompts 4 --output-len 48 --rounds 3 --warmup-requests 4 \
+        --shape-warmup-len 4096 --serve-args "--max-num-seqs 64" \
+        --time-budget "${TIME_BUDGET:-540}" --grace 10 --keep-raw --save-detailed \
+        > "$OUT/itl.log" 2>&1
+      rc=$?; echo "itl: exit $rc"; pack itl
+      ;;
+    kvcurve)
+      weights
+      len=${CURVE_LEN:-16384}
+      kv=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits |
+        awk 'NR == 1 { print ($1 > 100000 ? 4 : 2) }')  # 6 engines
+      # shellcheck disable=SC2086
+      python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/kvcurve$len" \
+        --deployments ours --ours-variants plain='{}' kvc='{}' kvl='{}' \
+        --kvcached contiguous --kvcached-on ours-kvc ours-kvl=per_layer \
+        --sample-ids-below 4096 --prefill-gpu 0 --decode-gpu 0 --gpu-mem 0.13 \
+        --kv-cache-gib "$kv" --enforce-eager --input-len "$len" \
+        --concurrency ${CURVE_CONC:-1 16} --num-prompts 0 --prompts-per-slot 1 \
+        --min-prompts 4 --output-len 32 --rounds 3 --warmup-requests 4 \
+        --shape-warmup-len 4096 --serve-args "--max-num-seqs 64" \
+        --time-budget "${TIME_BUDGET:-540}" --grace 10 --keep-raw --save-detailed \
+        > "$OUT/kvcurve$len.log" 2>&1
+      rc=$?; echo "kvcurve $len: exit $rc"; pack "kvcurve$len"
       ;;
     serve2k) serve 2048 64 serve2k ;;
     serve8k) serve 8192 48 serve8k ;;

@@ -87,3 +87,31 @@ def test_a_scatter_planned_before_its_slot_lands_from_the_slot(launch_at_slot):
         for a, n, o in zip(addr.tolist(), length.tolist(), staged.tolist(), strict=True)
     )
     assert landed is launch_at_slot
+
+
+def test_one_view_over_several_storages_moves_the_bytes_and_digests_them():
+    """``MemoryMap.window`` on CUDA (the CUDA Array Interface over the storages' range): a
+    gather and a scatter with runs in two storages are one indexed copy each and move the
+    right bytes, and nothing else in either storage changes."""
+    from kvshare_connector.transfer.packing import MemoryMap, Packer, StagingArea
+
+    a = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda")
+    b = torch.randint(0, 255, (8 << 20,), dtype=torch.uint8, device="cuda")
+    memory = MemoryMap([a, b])
+    assert memory.window is not None
+    assert memory.window.flat.data_ptr() == min(a.data_ptr(), b.data_ptr())
+    packer = Packer(memory, StagingArea(1 << 20, "cuda"))
+    addr = np.array([b.data_ptr() + 65536, a.data_ptr() + 4096], dtype=np.int64)
+    length = np.array([16384, 8192], dtype=np.int64)
+    staged = np.array([0, 16384], dtype=np.int64)
+    packer.gather(addr, length, staged).wait()
+    area = packer.staging.buffer
+    assert torch.equal(area[:16384], b[65536 : 65536 + 16384])
+    assert torch.equal(area[16384 : 16384 + 8192], a[4096 : 4096 + 8192])
+    expect_b, expect_a = b[65536 : 65536 + 16384].clone(), a[4096 : 4096 + 8192].clone()
+    a.zero_()
+    b.zero_()
+    packer.scatter(addr, length, staged).wait()
+    assert torch.equal(b[65536 : 65536 + 16384], expect_b)
+    assert torch.equal(a[4096 : 4096 + 8192], expect_a)
+    assert int(a[:4096].sum()) == 0 and int(b[:65536].sum()) == 0
