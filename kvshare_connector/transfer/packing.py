@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import ctypes
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -39,19 +38,17 @@ class _Span:
 
 def alias(addr: int, nbytes: int, device: Any) -> Any:
     """A uint8 tensor over ``nbytes`` at ``addr`` of memory this process holds through other
-    tensors: no copy, no ownership (whoever made the view keeps those tensors alive)."""
+    tensors: no copy, no ownership (whoever made the view keeps those tensors alive). The
+    storage is made from the pointer and the device as given (what PyTorch's CUDA-graph
+    trees do), never by asking the driver about the pointer: the window's first byte may be
+    a page kvcached has reserved and not mapped yet."""
     import torch
 
     device = torch.device(device)
-    if device.type == "cuda":
-
-        class _Memory:  # CUDA Array Interface: torch wraps the pointer as it is
-            __cuda_array_interface__ = {
-                "shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 2,
-            }  # fmt: skip
-
-        return torch.as_tensor(_Memory(), device=device)
-    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
+    storage = torch._C._construct_storage_from_data_pointer(addr, device, nbytes)
+    flat = torch.empty(0, dtype=torch.uint8, device=device)
+    flat.set_(storage, 0, (nbytes,), (1,))
+    return flat
 
 
 class MemoryMap:
