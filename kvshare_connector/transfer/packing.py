@@ -1,8 +1,8 @@
 """Packed transfer, the torch half: a registered staging area and the gather/scatter kernels.
 
 ``layout.staging`` decides where every byte goes; this module moves them with one indexed
-copy per backing storage (a few kernels per request instead of one NIXL descriptor per
-block and layer). On CUDA the copies run on a side stream that first waits for the compute
+copy per request, through one view over every KV storage (one kernel instead of one NIXL
+descriptor per block and layer). On CUDA the copies run on a side stream that first waits for the compute
 stream, and report completion through an event, so neither side blocks the engine loop.
 torch is imported lazily: the transfer layer stays importable without it.
 """
