@@ -190,6 +190,32 @@ def test_runs_in_the_gap_between_storages_are_refused():
         memory.check(np.array([hi + (1 << 16) - 8]), np.array([16]))  # runs past b's end
 
 
+def test_a_packed_copy_takes_words_larger_than_a_slot_alignment():
+    """Runs of 32 KiB at 32 KiB offsets are copied as 32 KiB rows (8x fewer indices than at
+    4 KiB), and the scatter still lands from a slot that starts on 4 KiB only: the staging
+    side of a packed copy is a byte range, not rows of the area."""
+    import torch
+
+    kv = torch.zeros(1 << 22, dtype=torch.uint8)
+    packer = Packer(MemoryMap([kv]), StagingArea(1 << 20, "cpu"))
+    base = kv.untyped_storage().data_ptr()
+    addr = np.array([base + 5 * 32768, base + 2 * 32768, base + 40 * 32768], dtype=np.int64)
+    length = np.full(3, 32768, dtype=np.int64)
+    staged = np.array([0, 32768, 65536], dtype=np.int64)
+    plan = packer.plan_copy(addr, length, staged)  # before the slot is known
+    assert (plan.word, plan.rows, plan.staged_at) == (32768, 3, 0)
+    assert packer.staging.allocate(ALIGN) == 0
+    slot = packer.staging.allocate(3 * 32768)
+    assert slot == ALIGN and slot % plan.word  # not a multiple of the word
+    area = packer.staging.buffer
+    area[:] = 1
+    area[slot : slot + 3 * 32768] = torch.randint(0, 255, (3 * 32768,), dtype=torch.uint8)
+    packer.scatter(addr, length, staged, slot=slot, plan=plan).wait()
+    for a, o in zip(addr.tolist(), staged.tolist(), strict=True):
+        assert torch.equal(kv[a - base : a - base + 32768], area[slot + o : slot + o + 32768])
+    assert int(kv.sum()) == int(area[slot : slot + 3 * 32768].sum())  # nothing else written
+
+
 def test_staging_offsets_with_gaps_still_land():
     """Offsets not back to back in the slot (not how a request is packed, still allowed):
     the staging side takes its own indices."""
@@ -203,7 +229,7 @@ def test_staging_offsets_with_gaps_still_land():
     length = np.array([4096, 2048], dtype=np.int64)
     staged = np.array([0, 8192], dtype=np.int64)  # a gap after the first run
     plan = packer.plan_copy(addr, length, staged)
-    assert plan.staged_row is None
+    assert plan.staged_at is None
     packer.scatter(addr, length, staged, plan=plan).wait()
     area = packer.staging.buffer
     assert torch.equal(kv[8192:12288], area[:4096])

@@ -27,6 +27,7 @@ from kvshare_connector.layout.staging import word_indices, word_size
 from kvshare_connector.layout.topology import KVTopology
 from kvshare_connector.layout.verification import layer_runs, weights
 from kvshare_connector.transfer.packing import (
+    MAX_WORD,
     Copy,
     MemoryMap,
     PackingError,
@@ -167,9 +168,10 @@ class Digester:
         self, topology: KVTopology, real: list[list[int]]
     ) -> tuple[list[_GroupWork], np.ndarray, dict[str, tuple[int, int]], int]:
         """The rows to gather, all in one index array, grouped so that layers of one block
-        shape are gathered and summed together (host side only); each
-        layer's digests stay one slice of the output."""
-        by_key: dict[tuple[int, int], list[tuple[str, np.ndarray, int]]] = {}
+        shape are gathered and summed together, in rows of one word as large as all their
+        runs allow (host side only); each layer's digests stay one slice of the output."""
+        window = self.memory.window
+        by_shape: dict[int, list[tuple[str, np.ndarray, int, int]]] = {}
         empty: list[str] = []
         for runs in layer_runs(topology, real):
             segments = runs.block_bytes // runs.segment_len
@@ -180,13 +182,20 @@ class Digester:
                 empty.append(runs.name)
                 continue
             window = self.memory.check(runs.addr, np.full(runs.addr.size, runs.segment_len))
-            offsets = runs.addr - window.start
-            word = word_size(offsets, np.asarray([runs.segment_len]), limit=4096)
+            offsets = runs.addr - window.start  # the window's (the same for every layer)
+            by_shape.setdefault(runs.block_bytes, []).append(
+                (runs.name, offsets, runs.segment_len, blocks)
+            )
+        by_key: dict[tuple[int, int], list[tuple[str, np.ndarray, int]]] = {}
+        for block_bytes, layers in by_shape.items():  # one word for every layer of a shape
+            word = word_size(np.concatenate([o for _, o, _, _ in layers]),
+                             np.asarray([n for _, _, n, _ in layers]), limit=MAX_WORD)  # fmt: skip
             if word < 8:  # unaligned runs: the digest still reads 64-bit words of the block
                 word = 1
-            idx = word_indices(offsets, np.full(offsets.size, runs.segment_len, np.int64), word)
-            key = (word, runs.block_bytes)
-            by_key.setdefault(key, []).append((runs.name, idx, blocks))
+            by_key[(word, block_bytes)] = [
+                (name, word_indices(offsets, np.full(offsets.size, n, np.int64), word), blocks)
+                for name, offsets, n, blocks in layers
+            ]
         groups, parts, slices = [], [], {}
         first_index = first_block = 0
         for key, layers in by_key.items():
@@ -196,7 +205,7 @@ class Digester:
                 parts.append(idx)
                 rows += idx.size
                 blocks += n
-            groups.append(_GroupWork(self.memory.window, key[0], blocks, key[1], first_index, rows))
+            groups.append(_GroupWork(window, key[0], blocks, key[1], first_index, rows))
             first_index += rows
             first_block += blocks
         for name in empty:

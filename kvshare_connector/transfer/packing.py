@@ -2,8 +2,9 @@
 
 ``layout.staging`` decides where every byte goes; this module moves them with one indexed
 copy per request, through one view over every KV storage (one kernel instead of one NIXL
-descriptor per block and layer). On CUDA the copies run on a side stream that first waits for the compute
-stream, and report completion through an event, so neither side blocks the engine loop.
+descriptor per block and layer). On CUDA the copies run on a side stream that first waits
+for the compute stream, and report completion through an event, so neither side blocks the
+engine loop.
 torch is imported lazily: the transfer layer stays importable without it.
 """
 
@@ -22,6 +23,11 @@ from kvshare_connector.layout.staging import word_indices, word_size
 from kvshare_connector.layout.topology import Region
 
 ALIGN = 4096  # staging slots start on page boundaries: large words for the copy kernels
+# The largest word (row) a packed copy indexes by: E2B's runs are 32 KiB, so a 32k request's
+# scatter is 6,348 indices instead of 50,784 at 4 KiB words (its index plan took 8 ms on a
+# GPU host, 2026-12-06d); the staging side of a packed copy is a range, free of slot
+# alignment.
+MAX_WORD = 1 << 20
 
 
 class PackingError(RuntimeError):
@@ -102,14 +108,18 @@ class MemoryMap:
     def rows_of(span: _Span, word: int) -> Any:
         """The span as rows of ``word`` bytes (int64 elements where the word allows)."""
         if word not in span.words:
-            import torch
-
-            usable = span.flat[: (span.flat.numel() // word) * word]
-            if word % 8 == 0:
-                span.words[word] = usable.view(torch.int64).view(-1, word // 8)
-            else:
-                span.words[word] = usable.view(-1, word)
+            span.words[word] = as_rows(span.flat[: (span.flat.numel() // word) * word], word)
         return span.words[word]
+
+
+def as_rows(flat: Any, word: int) -> Any:
+    """uint8 bytes as rows of ``word`` bytes: int64 elements where the word allows (the
+    bytes then start on 8 bytes, as every storage and slot does)."""
+    import torch
+
+    if word % 8 == 0:
+        return flat.view(torch.int64).view(-1, word // 8)
+    return flat.view(-1, word)
 
 
 class StagingArea:
@@ -165,15 +175,15 @@ class StagingArea:
 @dataclass(frozen=True)
 class CopyPlan:
     """A gather's or scatter's word indices into the KV memory's window, uploaded: one
-    indexed copy. The staging side is one range of ``rows`` words from ``staged_row`` (of
-    its slot) where the runs are packed back to back, as every request is; else its
-    indices follow the KV side's in ``index``."""
+    indexed copy. The staging side is ``rows`` words from byte ``staged_at`` of its slot
+    where the runs are packed back to back, as every request is; else its indices follow
+    the KV side's in ``index``."""
 
     window: Any  # the MemoryMap's window (None: nothing to copy)
     word: int
     rows: int
     index: Any
-    staged_row: int | None
+    staged_at: int | None
     upload_s: float = 0.0  # host seconds of the index upload, a part of the planning
 
 
@@ -267,14 +277,16 @@ class Packer:
             return CopyPlan(None, 1, 0, None, None)
         window = self.memory.check(addr, length)
         offsets = addr - window.start
-        packed = bool(np.all(staged[1:] == staged[:-1] + length[:-1]))
-        word = word_size(np.concatenate([offsets, staged[:1] if packed else staged]), length)
+        if bool(np.all(staged[1:] == staged[:-1] + length[:-1])):  # packed: one range
+            word = word_size(np.concatenate([offsets, staged[:1]]), length, limit=MAX_WORD)
+            kv_idx = word_indices(offsets, length, word)
+            index, seconds = upload_on(self._stream, kv_idx, self.staging.buffer.device)
+            return CopyPlan(window, word, kv_idx.size, index, int(staged[0]), seconds)
+        word = word_size(np.concatenate([offsets, staged]), length)  # divides every slot
         kv_idx = word_indices(offsets, length, word)
-        parts = [kv_idx] if packed else [kv_idx, word_indices(staged, length, word)]
-        device = self.staging.buffer.device
-        index, seconds = upload_on(self._stream, np.concatenate(parts), device)
-        first = int(staged[0]) // word if packed else None
-        return CopyPlan(window, word, kv_idx.size, index, first, seconds)
+        both = np.concatenate([kv_idx, word_indices(staged, length, word)])
+        index, seconds = upload_on(self._stream, both, self.staging.buffer.device)
+        return CopyPlan(window, word, kv_idx.size, index, None, seconds)
 
     def _launch(self, plan: CopyPlan, to_staging: bool, wait: bool, slot: int = 0) -> Copy:
         """On the side stream, by default behind all the compute stream has queued. Not
@@ -285,7 +297,7 @@ class Packer:
 
         if plan.window is None:
             return Copy(None)
-        if slot % plan.word:
+        if plan.staged_at is None and slot % plan.word:
             raise ValueError(f"staging slot {slot} is not a multiple of {plan.word} bytes")
         device = self.staging.buffer.device
         stream = self._stream
@@ -294,15 +306,17 @@ class Packer:
         context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with context:
             kv = MemoryMap.rows_of(plan.window, plan.word)
-            st = MemoryMap.rows_of(self.staging.span, plan.word)[slot // plan.word :]
             kv_i = plan.index[: plan.rows]
-            if plan.staged_row is not None:  # one kernel: the staging side is a range
-                st = st[plan.staged_row : plan.staged_row + plan.rows]
+            if plan.staged_at is not None:  # one kernel: the staging side is a range
+                start = slot + plan.staged_at
+                st = as_rows(self.staging.span.flat[start : start + plan.rows * plan.word],
+                             plan.word)  # fmt: skip
                 if to_staging:
                     torch.index_select(kv, 0, kv_i, out=st)
                 else:
                     kv.index_copy_(0, kv_i, st)
             else:
+                st = MemoryMap.rows_of(self.staging.span, plan.word)[slot // plan.word :]
                 st_i = plan.index[plan.rows :]
                 if to_staging:
                     st.index_copy_(0, st_i, kv.index_select(0, kv_i))
