@@ -270,9 +270,11 @@ class Packer:
 
     def plan_copy(self, addr: np.ndarray, length: np.ndarray, staged: np.ndarray) -> CopyPlan:
         """The word indices of a copy between runs ``(addr, length)`` of the KV memory and
-        offsets ``staged`` of the area (or of a slot: slots start on ``ALIGN``, a multiple
-        of every word), uploaded in one go (on the side stream, so a copy launched there
-        later is ordered after it)."""
+        offsets ``staged`` of the area (or of a slot), uploaded in one go (on the side
+        stream, so a copy launched there later is ordered after it). Packed runs (back to
+        back, as every request's are) take the largest word the KV side allows, the
+        staging side being a byte range; others a word that divides ``ALIGN``, so that
+        their staging indices hold from any slot."""
         if addr.size == 0:
             return CopyPlan(None, 1, 0, None, None)
         window = self.memory.check(addr, length)
