@@ -69,7 +69,8 @@
 #            layer_nudge_ms 0 and ours without NIXL's progress thread, all on the classic
 #            legs (decode samples the first token, as with NixlConnector), and NixlConnector
 #            (on an H100 without the layer_nudge_ms 0 variant: 8 engines do not fit);
-#            ITL_LEN (default 32768), 48 tokens out, 3 rotated rounds, every request's ITLs
+#            ITL_LEN (default 32768), ITL_PROMPTS per run (default 4), 48 tokens out, 3
+#            rotated rounds, every request's ITLs
 #   kvcurve  kvcached along the curve (issue 21: kvcached contiguous and per-layer <= 1.1x
 #            plain TTFT at every point): ours plain, ours under kvcached contiguous and
 #            per-layer, first token from prefill (the proxy's default); CURVE_LEN (default
@@ -307,7 +308,8 @@ print("kvcached033 completion:", json.load(u.urlopen(req, timeout=60))["usage"])
         --deployments ours nixl --ours-variants "${ours[@]}" \
         --first-token-from-decode "${classic[@]}" \
         --prefill-gpu 0 --decode-gpu 0 --gpu-mem 0.11 --kv-cache-gib "$kv" --enforce-eager \
-        --input-len "${ITL_LEN:-32768}" --concurrency 1 --num-prompts 0 --prompts-per-slot 4 \
+        --input-len "${ITL_LEN:-32768}" --concurrency 1 --num-prompts 0 \
+        --prompts-per-slot "${ITL_PROMPTS:-4}" \
         --min-prompts 4 --output-len 48 --rounds 3 --warmup-requests 4 \
         --shape-warmup-len 4096 --serve-args "--max-num-seqs 64" \
         --time-budget "${TIME_BUDGET:-540}" --grace 10 --keep-raw --save-detailed \
