@@ -141,7 +141,7 @@ def _copy_ops(fn) -> dict[str, int]:
     return {op: names.count(op) for op in ("aten::index_copy_", "aten::index_select")}
 
 
-def test_a_request_over_several_storages_is_one_indexed_copy_each_way():
+def test_a_request_over_several_storages_is_one_indexed_copy_each_way(monkeypatch):
     """E2B's KV lies in several storages; a request's gather and scatter go through one
     view over them all (``MemoryMap.window``): one indexed copy each, not two per storage
     (the host's launches were most of a landing on the GPU, 2026-12-06d)."""
@@ -164,11 +164,8 @@ def test_a_request_over_several_storages_is_one_indexed_copy_each_way():
         ops.append(_copy_ops(lambda: result.append(real_launch(self, *args, **kwargs))))
         return result[0]
 
-    Packer._launch = counted
-    try:
-        move(prefill, decode, remote_ids, local_ids)
-    finally:
-        Packer._launch = real_launch
+    monkeypatch.setattr(Packer, "_launch", counted)
+    move(prefill, decode, remote_ids, local_ids)
     assert ops == [{"aten::index_copy_": 0, "aten::index_select": 1},  # gather
                    {"aten::index_copy_": 1, "aten::index_select": 0}]  # scatter  # fmt: skip
     assert kvcheck.mismatches(decode[0].kv_caches, decode[1], local_ids) == []

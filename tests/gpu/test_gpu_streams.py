@@ -89,10 +89,10 @@ def test_a_scatter_planned_before_its_slot_lands_from_the_slot(launch_at_slot):
     assert landed is launch_at_slot
 
 
-def test_one_view_over_several_storages_moves_the_bytes_and_digests_them():
-    """``MemoryMap.window`` on CUDA (the CUDA Array Interface over the storages' range): a
-    gather and a scatter with runs in two storages are one indexed copy each and move the
-    right bytes, and nothing else in either storage changes."""
+def test_one_view_over_several_storages_moves_the_right_bytes():
+    """``MemoryMap.window`` on CUDA (a storage made from the lowest storage's pointer,
+    spanning both): a gather and a scatter with runs in two storages, one indexed copy
+    each, move the right bytes, and nothing else in either storage changes."""
     from kvshare_connector.transfer.packing import MemoryMap, Packer, StagingArea
 
     a = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda")
