@@ -144,8 +144,11 @@ def _copy_ops(fn) -> dict[str, int]:
 def test_a_request_over_several_storages_is_one_indexed_copy_each_way(monkeypatch):
     """E2B's KV lies in several storages; a request's gather and scatter go through one
     view over them all (``MemoryMap.window``): one indexed copy each, not two per storage
-    (the host's launches were most of a landing on the GPU, 2026-12-06d)."""
-    prefill, decode = fresh("gemma4_e2b_shape", "per_layer"), fresh("gemma4_e2b_shape", "per_layer")
+    (the host's launches were most of a landing on the GPU, 2026-12-06d). kvcached's
+    per-layer layout: several storages on every vLLM version (0.33 keeps vLLM's own E2B
+    layout in one)."""
+    prefill = fresh("gemma4_e2b_shape", "kvcached_per_layer")
+    decode = fresh("gemma4_e2b_shape", "kvcached_per_layer")
     counts = [5] * len(prefill[1].groups)
     remote_ids = disjoint_block_ids(prefill[1].num_blocks, counts, seed=11)
     local_ids = disjoint_block_ids(decode[1].num_blocks, counts, seed=12)
