@@ -398,10 +398,12 @@ def test_probe_connector_nixl_pd(tmp_path, model, prefill_layout):
     assert all(LOCATION.fullmatch(loc) for loc in control["locations"])
 
 
-def test_probe_connector_tampered_load_is_refused_by_verify_kv(tmp_path):
+@pytest.mark.parametrize("extra", [{}, {"staging_mib": 0}], ids=["packed", "direct"])
+def test_probe_connector_tampered_load_is_refused_by_verify_kv(tmp_path, extra):
     """The GPU driver's tamper control, through vLLM's scheduler on the CPU: the probe
-    overwrites a block of one load after its READ; verify_kv (on by default) refuses it."""
-    (errors,) = _probe_pd(tmp_path, "per_layer", "g4tiny", {}, tamper=True)
+    overwrites a block of one load after its READ (packed: in its staging slot; direct: in
+    the block itself); verify_kv (on by default) refuses it."""
+    (errors,) = _probe_pd(tmp_path, "per_layer", "g4tiny", extra, tamper=True)
     assert errors == {"d0": None, "d2": None}
 
 

@@ -26,6 +26,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from kvshare_connector.connector import KVShareConnector
 from kvshare_connector.devtools.kv_digests import head_record, rank_path, request_record, scrambled
 from kvshare_connector.vllm.metadata import KVShareMetadata
@@ -290,9 +292,8 @@ def _overwrite_first_block(sink: Any, read: Any) -> None:
     block = read.local_read[owner.group][0]
     g = owner.geometry
     addr = g.base + block * g.block_stride + g.segment_offsets[0]
-    memory = (sink.digester or sink.packer).memory
-    span = memory.span_of(addr, 64)
-    span.flat[addr - span.start : addr - span.start + 64].fill_(0x77)
+    window = (sink.digester or sink.packer).memory.check(np.array([addr]), np.array([64]))
+    window.flat[addr - window.start : addr - window.start + 64].fill_(0x77)
 
 
 def _corrupt_staging(sink: Any, slot: int) -> None:
