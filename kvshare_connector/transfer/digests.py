@@ -72,7 +72,6 @@ class _GroupWork:
     """Layers whose blocks have one size and one gathered word: one gather and one
     multiply-sum for all of them, through the memory's window over every storage."""
 
-    span: Any  # the MemoryMap's window
     word: int  # bytes per gathered row
     blocks: int  # of all its layers
     block_bytes: int
@@ -170,7 +169,6 @@ class Digester:
         """The rows to gather, all in one index array, grouped so that layers of one block
         shape are gathered and summed together, in rows of one word as large as all their
         runs allow (host side only); each layer's digests stay one slice of the output."""
-        window = self.memory.window
         by_shape: dict[int, list[tuple[str, np.ndarray, int, int]]] = {}
         empty: list[str] = []
         for runs in layer_runs(topology, real):
@@ -182,7 +180,7 @@ class Digester:
                 empty.append(runs.name)
                 continue
             window = self.memory.check(runs.addr, np.full(runs.addr.size, runs.segment_len))
-            offsets = runs.addr - window.start  # the window's (the same for every layer)
+            offsets = runs.addr - window.start
             by_shape.setdefault(runs.block_bytes, []).append(
                 (runs.name, offsets, runs.segment_len, blocks)
             )
@@ -205,7 +203,7 @@ class Digester:
                 parts.append(idx)
                 rows += idx.size
                 blocks += n
-            groups.append(_GroupWork(window, key[0], blocks, key[1], first_index, rows))
+            groups.append(_GroupWork(key[0], blocks, key[1], first_index, rows))
             first_index += rows
             first_block += blocks
         for name in empty:
@@ -217,7 +215,7 @@ class Digester:
         """A group's digests into ``out``: gather its blocks' words, weight and sum."""
         import torch
 
-        rows = MemoryMap.rows_of(g.span, g.word)
+        rows = MemoryMap.rows_of(self.memory.window, g.word)
         weight = self._weights_of(g.block_bytes // 8)
         rows_per_block = g.rows // g.blocks
         per_chunk = max(1, CHUNK_BYTES // g.block_bytes)
