@@ -101,7 +101,7 @@ def test_pd_transfer_through_vllm_scheduler(prefill_engine, engines, tmp_path):
     assert sorted(r["request_id"] for r in logged) == ["d0", "d1"]
     for r in logged:  # the claim's time, split: prefill's share inside decode's round trip
         t = r["timeline"]
-        assert 0 <= t["asked"] <= t["claimed"] <= t["posted"] <= t["reported"]
+        assert 0 <= t["asked"] <= t["claimed"] <= t["prepared"] <= t["posted"] <= t["reported"]
         # (the marks and the answer time are rounded to 1 us each)
         assert 0 <= r["prefill_answer_s"] <= t["claimed"] - t["asked"] + 1e-5
         assert r["claims"] >= 1

@@ -103,6 +103,10 @@ def _start_agent(api: Any, name: str, config: Any, poll_ms: float) -> tuple[Any,
             api.nixlBind = real
 
 
+def _name(peer: str | bytes) -> str:
+    return peer.decode(errors="replace") if isinstance(peer, bytes) else peer
+
+
 class NixlTransport:
     """One NIXL agent with our regions registered on it.
 
@@ -197,24 +201,42 @@ class NixlTransport:
         notification: bytes,
     ) -> Any:
         """Post a READ of ``remote_rows`` into ``local_rows``; the peer gets ``notification``."""
-        name = peer.decode(errors="replace") if isinstance(peer, bytes) else peer
+        handle = self.prepare_read(
+            peer, local_rows, local_kind, remote_rows, remote_kind, notification
+        )
+        self.post(peer, handle)
+        return handle
+
+    def prepare_read(
+        self,
+        peer: str,
+        local_rows: np.ndarray,
+        local_kind: str,
+        remote_rows: np.ndarray,
+        remote_kind: str,
+        notification: bytes,
+    ) -> Any:
+        """NIXL's request for a READ, not yet posted: its descriptor lists, and the backend's
+        preparation of them (apart from ``post``, so the read log times the two apart)."""
         try:
             local = self.agent.get_xfer_descs(local_rows, local_kind)
             remote = self.agent.get_xfer_descs(remote_rows, remote_kind)
-            handle = self.agent.initialize_xfer("READ", local, remote, peer, notification)
+            return self.agent.initialize_xfer("READ", local, remote, peer, notification)
         except Exception as exc:
-            raise TransportError(f"NIXL READ from {name} could not start: {exc}") from exc
+            raise TransportError(f"NIXL READ from {_name(peer)} could not start: {exc}") from exc
+
+    def post(self, peer: str, handle: Any) -> None:
+        """Post a prepared READ; on failure its handle is released."""
         try:
             # Over UCX's shared-memory transports most of the copy happens inside this
             # call: a peer that dies now makes it raise, mid-transfer.
             state = self.agent.transfer(handle)
         except Exception as exc:
             self.release(handle)
-            raise TransportError(f"NIXL READ from {name} failed: {exc}") from exc
+            raise TransportError(f"NIXL READ from {_name(peer)} failed: {exc}") from exc
         if state == "ERR":
             self.release(handle)
-            raise TransportError(f"NIXL READ from {name} failed at post")
-        return handle
+            raise TransportError(f"NIXL READ from {_name(peer)} failed at post")
 
     def state(self, handle: Any) -> str:
         """``DONE``, ``PROC`` or ``ERR``."""

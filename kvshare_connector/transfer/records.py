@@ -9,14 +9,27 @@ from dataclasses import dataclass, field
 # A read's phases, in order (``TransferRecord.timeline``: seconds since the order came):
 # asked: the first claim left (the handshake and lane probe before it, when new);
 # claimed: prefill answered the claim (lease extended, packed slot and digests named);
-# posted: the READ was handed to NIXL; arrived: NIXL said it is done; launched: the
+# prepared: NIXL's request for the READ is made (descriptor lists and the backend's
+# preparation: claimed -> prepared includes them), and the post begins; posted: the post
+# returned (prepared -> posted: NIXL's post call, which over shared memory moves bytes);
+# arrived: NIXL said it is done; launched: the
 # scatter and decode's digests are queued on the device (arrived -> launched is the host's
 # share of the landing, launched -> landed the device's and the wait until decode looks);
 # landed: its bytes are in decode's blocks (after the scatter, when packed; the staging
 # slot is free again); verified: decode's digests of the blocks were taken and matched
 # prefill's (verify_kv); reported: the engine learned the load is done (the poll that
 # returned it).
-PHASES = ("asked", "claimed", "posted", "arrived", "launched", "landed", "verified", "reported")
+PHASES = (
+    "asked",
+    "claimed",
+    "prepared",
+    "posted",
+    "arrived",
+    "launched",
+    "landed",
+    "verified",
+    "reported",
+)
 
 
 @dataclass(frozen=True)
@@ -27,7 +40,9 @@ class TransferRecord:
     bytes: int
     descriptors: int
     blocks: int
-    seconds: float  # posted -> bytes in place (the scatter included when packed)
+    # the post's start (NIXL's post call, after its request was prepared) -> bytes in place,
+    # the scatter included when packed (until 2026-12-06e: from before the preparation)
+    seconds: float
     packed: bool = False  # moved as a few large runs through the staging areas
     verified: int = 0  # layer-blocks whose digest matched prefill's (``verify_kv``)
     # prefill held the request this long before decode's claim reached it (None: unknown)

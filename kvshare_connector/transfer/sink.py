@@ -343,11 +343,13 @@ class KVSink:
                 remote_kind = "DRAM" if ref.device_id < 0 else "VRAM"
         p = read.order.params
         note = protocol.notification(protocol.NOTIF_DONE, p.remote_request_id, read.order.token)
-        started = time.monotonic()
         try:
-            handle = self.transport.read(
+            handle = self.transport.prepare_read(
                 peer.agent, local_rows, local_kind, remote_rows, remote_kind, note
             )
+            read.mark("prepared")
+            started = time.monotonic()
+            self.transport.post(peer.agent, handle)
         except Exception:
             if slot is not None and self.packer is not None:
                 self.packer.staging.release(slot)
