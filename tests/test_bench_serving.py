@@ -191,6 +191,17 @@ def test_kvcached_per_deployment_and_fixed_kv_size(tmp_path: Path, model_dir: Pa
     )  # fmt: skip
     paths = {p.name: {e.env.get("PYTHONPATH") for e in p.deployment.engines} for p in before}
     assert paths == {"ours-now": {None}, "ours-before": {"/old:/site"}, "nixl": {None}}
+    # fast_lane.sh kvreserve: one kvcached variant keeps more pages mapped than the other
+    _, reserve = _plan(
+        tmp_path, model_dir, "--ours-variants", "kvc={}", "kvr={}", "--deployments", "ours",
+        "--kvcached", "contiguous", "--kvcached-on", "ours-kvc", "ours-kvr", "--variant-env",
+        "ours-kvr:KVCACHED_MIN_RESERVED_PAGES=50", "ours-kvr:KVCACHED_MAX_RESERVED_PAGES=200",
+    )  # fmt: skip
+    env = {p.name: p.deployment.engines[0].env for p in reserve}
+    assert env["ours-kvc"]["ENABLE_KVCACHED"] == env["ours-kvr"]["ENABLE_KVCACHED"] == "true"
+    assert "KVCACHED_MAX_RESERVED_PAGES" not in env["ours-kvc"]
+    assert env["ours-kvr"]["KVCACHED_MIN_RESERVED_PAGES"] == "50"
+    assert env["ours-kvr"]["KVCACHED_MAX_RESERVED_PAGES"] == "200"
     with pytest.raises(SystemExit, match="no such deployment"):
         _plan(tmp_path, model_dir, "--variant-env", "ours-bfore:A=1")
     with pytest.raises(SystemExit, match="NAME:KEY=VALUE"):
