@@ -75,9 +75,10 @@
 #            plain TTFT at every point): ours plain, ours under kvcached contiguous and
 #            per-layer, first token from prefill (the proxy's default); CURVE_LEN (default
 #            16384) x CURVE_CONC (default 1 16), 3 rotated rounds
-#   kvreserve  ours plain, under kvcached contiguous, and under kvcached contiguous with
-#            50-200 pages kept mapped (KVCACHED_MIN/MAX_RESERVED_PAGES; 5-10 by default),
-#            CURVE_LEN (16384) x CURVE_CONC (1 16), 3 rotated rounds
+#   kvreserve  ours plain, plain with armed_landing, and under kvcached contiguous with
+#            50-200 pages kept mapped (KVCACHED_MIN/MAX_RESERVED_PAGES; 5-10 by default;
+#            kvcurve's run has kvcached's default), CURVE_LEN (16384) x CURVE_CONC (1 16),
+#            3 rotated rounds
 #   kvcached033  (STACK=033) kvcached 0.1.6 built against vLLM 0.33's torch and `vllm serve`
 #            with ENABLE_KVCACHED=true: whether the engine serves or stops, and its message
 #   faults   the fault matrix (issue 25): FAULT_CASES (default c d e f: prefill hung,
@@ -338,15 +339,16 @@ print("kvcached033 completion:", json.load(u.urlopen(req, timeout=60))["usage"])
       rc=$?; echo "kvcurve $len: exit $rc"; pack "kvcurve$len"
       ;;
     kvreserve)  # 16k x 16 under kvcached was 1.10-1.13x plain (2026-12-06f), its prefill
-      # engine queueing longer: whether kvcached's page map/unmap on the engine's path is it
+      # engine queueing longer: whether kvcached's page map/unmap on the engine's path is it;
+      # and, beside plain, plain with the armed landing (six engines fit an H100)
       weights
       len=${CURVE_LEN:-16384}
       kv=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits |
         awk 'NR == 1 { print ($1 > 100000 ? 4 : 2) }')  # 6 engines
       # shellcheck disable=SC2086
       python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/kvreserve$len" \
-        --deployments ours --ours-variants plain='{}' kvc='{}' kvr='{}' \
-        --kvcached contiguous --kvcached-on ours-kvc ours-kvr \
+        --deployments ours --ours-variants plain='{}' armed='{"armed_landing": true}' \
+        kvr='{}' --kvcached contiguous --kvcached-on ours-kvr \
         --variant-env ours-kvr:KVCACHED_MIN_RESERVED_PAGES=50 \
         ours-kvr:KVCACHED_MAX_RESERVED_PAGES=200 \
         --sample-ids-below 4096 --prefill-gpu 0 --decode-gpu 0 --gpu-mem 0.13 \

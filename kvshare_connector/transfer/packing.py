@@ -240,9 +240,10 @@ def side_stream(device: Any) -> Any:
 class Packer:
     """Gathers a request's runs into a staging slot, or scatters a slot into blocks."""
 
-    def __init__(self, memory: MemoryMap, staging: StagingArea):
+    def __init__(self, memory: MemoryMap, staging: StagingArea, gates: Any = None):
         self.memory = memory
         self.staging = staging
+        self.gates = gates  # decode's ``StreamGates``: scatters queued before the bytes land
         self._stream: Any = None
         if staging.buffer.device.type == "cuda":
 
@@ -259,14 +260,15 @@ class Packer:
 
     def scatter(
         self, addr: np.ndarray, length: np.ndarray, staged: np.ndarray, slot: int = 0,
-        plan: CopyPlan | None = None,
+        plan: CopyPlan | None = None, stream: Any = None,
     ) -> Copy:  # fmt: skip
         """Copy ``staged`` offsets of the slot at ``slot`` (``length`` each) back to runs at
         ``addr``; ``plan``: made by ``plan_copy`` for these runs beforehand, with offsets
         relative to the slot (decode plans while its claim is out, before it has a slot),
-        so only the launch is left here."""
+        so only the launch is left here. ``stream``: launch there instead (a gate's, see
+        ``transfer.gates``), still after the plan's upload."""
         plan = plan or self.plan_copy(addr, length, staged)
-        return self._launch(plan, to_staging=False, wait=True, slot=slot)
+        return self._launch(plan, to_staging=False, wait=True, slot=slot, stream=stream)
 
     def plan_copy(self, addr: np.ndarray, length: np.ndarray, staged: np.ndarray) -> CopyPlan:
         """The word indices of a copy between runs ``(addr, length)`` of the KV memory and
@@ -290,7 +292,9 @@ class Packer:
         index, seconds = upload_on(self._stream, both, self.staging.buffer.device)
         return CopyPlan(window, word, kv_idx.size, index, None, seconds)
 
-    def _launch(self, plan: CopyPlan, to_staging: bool, wait: bool, slot: int = 0) -> Copy:
+    def _launch(
+        self, plan: CopyPlan, to_staging: bool, wait: bool, slot: int = 0, stream: Any = None
+    ) -> Copy:
         """On the side stream, by default behind all the compute stream has queued. Not
         waiting is for bytes whose writes are known to be done: with vLLM's async
         scheduling the next step's forward is queued by then, and waiting for it cost a
@@ -302,7 +306,10 @@ class Packer:
         if plan.staged_at is None and slot % plan.word:
             raise ValueError(f"staging slot {slot} is not a multiple of {plan.word} bytes")
         device = self.staging.buffer.device
-        stream = self._stream
+        if stream is None:
+            stream = self._stream
+        elif self._stream is not None:  # the plan's indices were uploaded on ours
+            stream.wait_stream(self._stream)
         if stream is not None and wait:
             stream.wait_stream(torch.cuda.current_stream(device))
         context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

@@ -357,8 +357,9 @@ class KVSink:
         read.transfer = Transfer(handle, started, nbytes, len(local_rows), slot, packed)
         read.phase = Phase.READ
         read.mark("posted")
-        failpoint("sink.read_posted")
         self.lander.plan_scatter(read)  # if not planned ahead: while the bytes are on their way
+        self.lander.arm(read)
+        failpoint("sink.read_posted")
 
     def _finish(self, read: Read) -> None:
         t, plan, grant = read.transfer, read.plan, read.grant
@@ -415,6 +416,7 @@ class KVSink:
         them), so they must not go back to vLLM yet."""
         released = True
         t = read.transfer
+        self.lander.disarm(read)  # before its slot or blocks are anyone else's
         if t is not None and t.slot is not None and self.packer is not None:
             if t.handle is not None and self.transport.state(t.handle) == "PROC":
                 self._stuck.append((t.handle, t.slot))  # NIXL may still write into it
@@ -468,6 +470,7 @@ class KVSink:
         )
 
     def close(self) -> None:
+        self.lander.close()
         self.peers.close()
         self.transport.close()
 
