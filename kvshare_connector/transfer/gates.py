@@ -20,12 +20,8 @@ them, ``StreamGates.create`` says why and the scatter is launched once the READ 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-from kvshare_connector.common.log import get_logger
-
-logger = get_logger(__name__)
 
 STREAMS = 8  # gates (and streams): reads whose scatter waits at once; more launch unarmed
 _WAIT_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, wrap-safe
@@ -52,7 +48,7 @@ class Gate:
     _owner: StreamGates
     _index: int
     _value: int
-    opened: bool = field(default=False)
+    opened: bool = False
 
     def open(self) -> None:
         """Let the stream go (idempotent)."""

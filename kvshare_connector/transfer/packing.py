@@ -310,6 +310,8 @@ class Packer:
             stream = self._stream
         elif self._stream is not None:  # the plan's indices were uploaded on ours
             stream.wait_stream(self._stream)
+            # and come from our stream's pool: not to be reused before this copy has run
+            plan.index.record_stream(stream)
         if stream is not None and wait:
             stream.wait_stream(torch.cuda.current_stream(device))
         context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

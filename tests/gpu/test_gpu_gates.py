@@ -46,11 +46,18 @@ def test_a_gated_scatter_copies_the_bytes_there_when_it_opens():
     slot[:98304].copy_(fresh)  # the READ's bytes, landing after the launch
     torch.cuda.current_stream().synchronize()  # never the device's: a held stream is in it
     assert not copy.done()
+    # The held copy's indices came from the packer's stream: a plan made now must not get
+    # their memory while the copy has not run (the caching allocator reuses freed blocks).
+    other = np.array([base + 2 * 65536, base + 5 * 65536], dtype=np.int64)
+    later = packer.plan_copy(other, length, staged)
+    torch.cuda.current_stream().synchronize()
     gate.open()
     copy.wait()
     assert torch.equal(kv[65536 : 2 * 65536], fresh[:65536])
     assert torch.equal(kv[3 * 65536 : 3 * 65536 + 32768], fresh[65536:])
     assert int(kv[:65536].count_nonzero()) == 0  # nothing else written
+    assert int(kv[2 * 65536 : 3 * 65536].count_nonzero()) == 0  # not where ``later`` points
+    assert later.rows > 0
     assert gates.armed == 0
 
 
