@@ -239,7 +239,8 @@ for step in "$@"; do
       python3 -m pip install -q --no-index --no-deps --target /tmp/pytest-site .gpu/pytest/*.whl \
         > "$OUT/gputests.log" 2>&1
       PYTHONPATH="/tmp/pytest-site:$PYTHONPATH" python3 -m pytest -q -p no:cacheprovider \
-        tests/gpu/test_gpu_streams.py tests/gpu/test_gpu_probe.py >> "$OUT/gputests.log" 2>&1
+        tests/gpu/test_gpu_streams.py tests/gpu/test_gpu_probe.py tests/gpu/test_gpu_gates.py \
+        >> "$OUT/gputests.log" 2>&1
       echo "gputests: exit $?"
       ;;
     loads)
