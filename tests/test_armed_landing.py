@@ -12,20 +12,20 @@ back; and with every gate held, reads land unarmed.
 
 from __future__ import annotations
 
-import itertools
+import time
 
 import pytest
 
 from kvshare_connector.common import failpoints
 from kvshare_connector.devtools.demo import request_block_ids
-from kvshare_connector.transfer.gates import Gate
+from kvshare_connector.transfer.gates import Gate, Gates
 from kvshare_connector.transfer.reads import Phase
 
 from .support.transfer_decode import E2B, TOKENS, assert_landed, decoder_pool, new_id, with_defaults
 from .support.transfer_peer import PeerProcess
 
 SOURCES = with_defaults([
-    {"name": "armed", "model": E2B, "layout": "kvcached_contiguous", "requests": 4,
+    {"name": "armed", "model": E2B, "layout": "kvcached_contiguous", "requests": 5,
      "seed": 830, "packed_mib": 40},
 ])  # fmt: skip
 
@@ -44,62 +44,78 @@ def decoders(peer):
     yield from decoder_pool()
 
 
-class HeldStreams:
-    """Stand-in for ``StreamGates`` (the CUDA driver's stream wait): what is queued on a
-    gate's stream runs when the gate opens."""
+class QueuedGates(Gates):
+    """``Gates`` (the real bookkeeping and keeper) over a stand-in for CUDA streams: what is
+    queued on a held stream runs when its gate opens, at once on a stream let go."""
 
-    def __init__(self, sink, streams: int = 2):
+    def __init__(self, sink, streams: int = 2, hold_s: float = 60.0, wait_early: bool = False):
         self.sink = sink
-        self.free = list(range(streams))
-        self.queued: dict[int, list] = {}
-        self.values = itertools.count(1)
+        self.queued: dict[int, list | None] = {i: None for i in range(streams)}
         self.log: list[tuple[str, int, str | None]] = []  # (what, gate, phase of its read)
+        self.wait_early = wait_early  # arm returns once the keeper has opened the gate
+        super().__init__([("stream", i) for i in range(streams)], hold_s)
 
-    @property
-    def armed(self) -> int:
-        return len(self.queued)
-
-    def arm(self) -> Gate | None:
-        if not self.free:
-            self.log.append(("full", -1, None))
-            return None
-        i = self.free.pop(0)
-        self.queued[i] = []
-        arming = [r.phase.name for r in self.sink._reads.values()
-                  if r.transfer is not None and r.transfer.gate is None]  # fmt: skip
-        self.log.append(("armed", i, arming[0] if len(arming) == 1 else None))
-        return Gate(("stream", i), self, i, next(self.values))
-
-    def _phase(self, index: int) -> str | None:
-        for read in self.sink._reads.values():
+    def _phase(self, index: int, arming: bool = False) -> str | None:
+        for read in list(self.sink._reads.values()):
             t = read.transfer
-            if t is not None and t.gate is not None and t.gate._index == index:
+            if t is None:
+                continue
+            if (t.gate is None) if arming else (t.gate is not None and t.gate._index == index):
                 return read.phase.name
         return None
 
-    def _open(self, index: int, value: int) -> None:
+    def _hold(self, index: int, value: int) -> None:
+        self.queued[index] = []
+        self.log.append(("armed", index, self._phase(index, arming=True)))
+
+    def _release(self, index: int, value: int) -> None:
         self.log.append(("opened", index, self._phase(index)))
-        for work in self.queued.pop(index):
-            work()
-        self.free.append(index)
+        work, self.queued[index] = self.queued[index] or [], None
+        for job in work:
+            job()
 
-    def open_all(self) -> None:
-        for i in list(self.queued):
-            self._open(i, 0)
+    def arm(self) -> Gate | None:
+        gate = super().arm()
+        if gate is None:
+            self.log.append(("full", -1, None))
+        elif self.wait_early:
+            deadline = time.monotonic() + 10
+            while not gate.opened:
+                assert time.monotonic() < deadline, "the keeper never opened the gate"
+                time.sleep(0.001)
+        return gate
 
 
-def hold(decoder, monkeypatch, streams: int = 2) -> HeldStreams:
+@pytest.fixture
+def gated(monkeypatch):
+    """``gated(decoder, **how)``: ``QueuedGates`` on its packer, closed after the test."""
+    made: list[QueuedGates] = []
+
+    def make(decoder, **how) -> QueuedGates:
+        made.append(hold(decoder, monkeypatch, **how))
+        return made[-1]
+
+    yield make
+    for gates in made:
+        gates.close()
+
+
+def hold(decoder, monkeypatch, **how) -> QueuedGates:
     """Gates on ``decoder``'s packer; its scatter, given a gate's stream, waits on it."""
     from kvshare_connector.transfer.packing import Copy
 
     packer = decoder.sink.packer
-    gates = HeldStreams(decoder.sink, streams)
+    gates = QueuedGates(decoder.sink, **how)
     scatter = packer.scatter
 
     def scatter_on(*args, stream=None, **kwargs):
         if stream is None:
             return scatter(*args, **kwargs)
-        gates.queued[stream[1]].append(lambda: scatter(*args, **kwargs))
+        queue = gates.queued[stream[1]]
+        if queue is None:  # let go already: runs now
+            scatter(*args, **kwargs)
+        else:
+            queue.append(lambda: scatter(*args, **kwargs))
         return Copy(None)  # done once the queued work ran, which opening the gate does
 
     monkeypatch.setattr(packer, "gates", gates)
@@ -107,9 +123,9 @@ def hold(decoder, monkeypatch, streams: int = 2) -> HeldStreams:
     return gates
 
 
-def test_an_armed_scatter_is_opened_once_the_read_is_done(peer, decoders, monkeypatch):
+def test_an_armed_scatter_is_opened_once_the_read_is_done(peer, decoders, gated):
     decoder = decoders(E2B, "per_layer", packed_mib=16)
-    gates = hold(decoder, monkeypatch)
+    gates = gated(decoder)
     request = peer.request("armed", 0)
     local_ids = request_block_ids(decoder.topology, TOKENS, seed=71)
     rid = new_id("armed")
@@ -125,9 +141,9 @@ def test_an_armed_scatter_is_opened_once_the_read_is_done(peer, decoders, monkey
     assert "scatter" not in record.landing_host  # nothing left to launch at the landing
 
 
-def test_with_every_gate_held_a_read_lands_unarmed(peer, decoders, monkeypatch):
+def test_with_every_gate_held_a_read_lands_unarmed(peer, decoders, gated):
     decoder = decoders(E2B, "per_layer", packed_mib=16)
-    gates = hold(decoder, monkeypatch, streams=0)
+    gates = gated(decoder, streams=0)
     request = peer.request("armed", 1)
     local_ids = request_block_ids(decoder.topology, TOKENS, seed=72)
     rid = new_id("unarmed")
@@ -139,13 +155,13 @@ def test_with_every_gate_held_a_read_lands_unarmed(peer, decoders, monkeypatch):
 
 
 def test_a_read_that_fails_after_arming_opens_its_gate_and_the_next_one_lands(
-    peer, decoders, monkeypatch
+    peer, decoders, gated
 ):
     """A failure between the post and the READ seen done (the ``sink.read_posted``
     failpoint, right after arming) opens the gate and lets the queued scatter end before
     the slot and blocks are given back; the engine goes on, and the next read is armed."""
     decoder = decoders(E2B, "per_layer", packed_mib=16)
-    gates = hold(decoder, monkeypatch)
+    gates = gated(decoder)
     request = peer.request("armed", 2)
     local_ids = request_block_ids(decoder.topology, TOKENS, seed=73)
     failpoints.configure("sink.read_posted=fail*1")
@@ -162,3 +178,20 @@ def test_a_read_that_fails_after_arming_opens_its_gate_and_the_next_one_lands(
     result = decoder.read(again, local_ids, new_id("armed-after"))
     assert_landed(decoder, result, local_ids)
     assert [what for what, _, _ in gates.log] == ["armed", "opened", "armed", "opened"]
+
+
+def test_a_gate_held_past_its_bound_is_opened_by_the_keeper_and_landed_again(peer, decoders, gated):
+    """A held stream holds every device-wide synchronize too, so no gate outlives its
+    bound: the keeper thread opens it (``early``), its copy may then run before the bytes
+    are there, and the landing copies again once NIXL says done, after that copy."""
+    decoder = decoders(E2B, "per_layer", packed_mib=16)
+    gates = gated(decoder, hold_s=0.0, wait_early=True)
+    request = peer.request("armed", 4)
+    local_ids = request_block_ids(decoder.topology, TOKENS, seed=74)
+    rid = new_id("early")
+    result = decoder.read(request, local_ids, rid)
+    assert_landed(decoder, result, local_ids)
+    assert [what for what, _, _ in gates.log] == ["armed", "opened"]
+    record = next(r for r in decoder.sink.records if r.request_id == rid)
+    assert {"armed", "open", "rescatter"} <= set(record.landing_host)
+    assert gates.armed == 0 and decoder.sink.packer.staging.used == {}

@@ -79,11 +79,10 @@ class ConnectorOptions:
     layer_nudge_ms: float = _option(2.0, "Decode: while reads are in flight, advance them "
                                     "from inside the forward (vLLM's per-layer hook) at "
                                     "most this often; 0: only at step boundaries.")
-    armed_landing: bool = _option(False, "Decode, on CUDA (experimental): queue a packed "
-                                  "read's scatter right after its post, behind a stream "
-                                  "wait the engine opens once NIXL says done. A device-wide "
-                                  "synchronize in the engine while one waits (e.g. prompt "
-                                  "logprobs) never returns: keep it off there.",
+    armed_landing: bool = _option(False, "Decode, on CUDA (experimental, not yet run in "
+                                  "serving): queue a packed read's scatter right after its "
+                                  "post, behind a stream wait opened once NIXL says done "
+                                  "(or after 50 ms by a helper thread, then copied again).",
                                   "KVSHARE_ARMED_LANDING")
     read_log: str | None = _option(None, "A path: decode appends one JSON line per finished "
                                    "read (bytes, descriptors, phase timeline).")

@@ -97,11 +97,12 @@ class Lander:
         gate = gates.arm()
         if gate is None:
             return
-        s, ahead = t.packed.scatter, read.scatter_plan
-        read.scatter_plan = None
+        s = t.packed.scatter
         try:
+            t.armed_plan = read.scatter_plan or self._plan_scatter(t.packed)
+            read.scatter_plan = None
             t.armed = self.packer.scatter(
-                s[:, 0], s[:, 2], s[:, 1], slot=t.slot, plan=ahead, stream=gate.stream
+                s[:, 0], s[:, 2], s[:, 1], slot=t.slot, plan=t.armed_plan, stream=gate.stream
             )
         except BaseException:
             gate.open()
@@ -133,6 +134,11 @@ class Lander:
                 t.gate.open()
                 scatter = t.armed
                 clock = read.lap("open", clock)
+                if t.gate.early:  # held past its bound, it may have copied before the bytes
+                    s = t.packed.scatter
+                    scatter = self.packer.scatter(s[:, 0], s[:, 2], s[:, 1], slot=t.slot,
+                                                  plan=t.armed_plan, after=t.armed)  # fmt: skip
+                    clock = read.lap("rescatter", clock)
             self.transport.release(t.handle)
             t.handle = None
             clock = read.lap("release", clock)
@@ -157,7 +163,7 @@ class Lander:
     def close(self) -> None:
         """No gate may stay held once the engine stops."""
         if self.packer is not None and self.packer.gates is not None:
-            self.packer.gates.open_all()
+            self.packer.gates.close()
 
     def landed(self, read: Read) -> None:
         """The scatter is done: the staging slot serves the next read."""

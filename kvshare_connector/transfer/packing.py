@@ -260,15 +260,15 @@ class Packer:
 
     def scatter(
         self, addr: np.ndarray, length: np.ndarray, staged: np.ndarray, slot: int = 0,
-        plan: CopyPlan | None = None, stream: Any = None,
+        plan: CopyPlan | None = None, stream: Any = None, after: Copy | None = None,
     ) -> Copy:  # fmt: skip
         """Copy ``staged`` offsets of the slot at ``slot`` (``length`` each) back to runs at
         ``addr``; ``plan``: made by ``plan_copy`` for these runs beforehand, with offsets
         relative to the slot (decode plans while its claim is out, before it has a slot),
         so only the launch is left here. ``stream``: launch there instead (a gate's, see
-        ``transfer.gates``), still after the plan's upload."""
+        ``transfer.gates``), still after the plan's upload; ``after``: behind that copy."""
         plan = plan or self.plan_copy(addr, length, staged)
-        return self._launch(plan, to_staging=False, wait=True, slot=slot, stream=stream)
+        return self._launch(plan, False, wait=True, slot=slot, stream=stream, after=after)
 
     def plan_copy(self, addr: np.ndarray, length: np.ndarray, staged: np.ndarray) -> CopyPlan:
         """The word indices of a copy between runs ``(addr, length)`` of the KV memory and
@@ -293,8 +293,9 @@ class Packer:
         return CopyPlan(window, word, kv_idx.size, index, None, seconds)
 
     def _launch(
-        self, plan: CopyPlan, to_staging: bool, wait: bool, slot: int = 0, stream: Any = None
-    ) -> Copy:
+        self, plan: CopyPlan, to_staging: bool, wait: bool, slot: int = 0, stream: Any = None,
+        after: Copy | None = None,
+    ) -> Copy:  # fmt: skip
         """On the side stream, by default behind all the compute stream has queued. Not
         waiting is for bytes whose writes are known to be done: with vLLM's async
         scheduling the next step's forward is queued by then, and waiting for it cost a
@@ -314,6 +315,8 @@ class Packer:
             plan.index.record_stream(stream)
         if stream is not None and wait:
             stream.wait_stream(torch.cuda.current_stream(device))
+        if stream is not None and after is not None and after.event is not None:
+            stream.wait_event(after.event)
         context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with context:
             kv = MemoryMap.rows_of(plan.window, plan.word)

@@ -94,6 +94,7 @@ class Transfer:
     landed: float | None = None  # when its bytes were seen in place (monotonic)
     gate: Gate | None = None  # packed: its scatter, queued behind this, waits for the bytes
     armed: Copy | None = None  # that scatter
+    armed_plan: CopyPlan | None = None  # its plan (copied again when the gate opened early)
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,7 @@ def _packer():
 def test_a_gated_scatter_copies_the_bytes_there_when_it_opens():
     from kvshare_connector.transfer.gates import StreamGates
 
-    gates, how = StreamGates.create("cuda")
-    assert gates is not None, how
+    gates = StreamGates("cuda", hold_s=60.0)  # the keeper out of the way
     kv, packer = _packer()
     base = kv.data_ptr()
     addr = np.array([base + 65536, base + 3 * 65536], dtype=np.int64)
@@ -58,14 +57,17 @@ def test_a_gated_scatter_copies_the_bytes_there_when_it_opens():
     assert int(kv[:65536].count_nonzero()) == 0  # nothing else written
     assert int(kv[2 * 65536 : 3 * 65536].count_nonzero()) == 0  # not where ``later`` points
     assert later.rows > 0
-    assert gates.armed == 0
+    assert gates.armed == 0 and not gate.early
+    gates.close()
 
 
 def test_every_stream_held_means_no_gate_until_one_opens():
     from kvshare_connector.transfer.gates import STREAMS, StreamGates
 
-    gates, how = StreamGates.create("cuda")
-    assert gates is not None and how == f"on ({STREAMS} streams)"
+    made, how = StreamGates.create("cuda")
+    assert made is not None and how.startswith(f"on ({STREAMS} streams"), how
+    made.close()
+    gates = StreamGates("cuda", hold_s=60.0)
     held = [gates.arm() for _ in range(STREAMS)]
     assert all(g is not None for g in held) and gates.armed == STREAMS
     assert gates.arm() is None
@@ -79,7 +81,21 @@ def test_every_stream_held_means_no_gate_until_one_opens():
     held[3].open()
     events[3].synchronize()
     assert gates.arm() is not None  # the opened stream, held again
-    gates.open_all()
+    gates.close()  # opens every held gate
     for e in events:
         e.synchronize()
-    assert gates.armed == 0
+    assert gates.armed == 0 and gates.arm() is None  # closed: no more gates
+
+
+def test_the_keeper_opens_a_gate_held_past_its_bound():
+    """A held stream holds a device-wide synchronize too: no gate outlives ``hold_s``."""
+    from kvshare_connector.transfer.gates import StreamGates
+
+    gates = StreamGates("cuda", hold_s=0.02)
+    gate = gates.arm()
+    assert gate is not None
+    event = torch.cuda.Event()
+    event.record(gate.stream)
+    torch.cuda.synchronize()  # returns once the keeper opened the gate
+    assert event.query() and gate.opened and gate.early
+    gates.close()
