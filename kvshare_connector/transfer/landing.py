@@ -99,8 +99,8 @@ class Lander:
             return
         s = t.packed.scatter
         try:
-            t.armed_plan = read.scatter_plan or self._plan_scatter(t.packed)
-            read.scatter_plan = None
+            planned, read.scatter_plan = read.scatter_plan, None
+            t.armed_plan = planned if planned is not None else self._plan_scatter(t.packed)
             t.armed = self.packer.scatter(
                 s[:, 0], s[:, 2], s[:, 1], slot=t.slot, plan=t.armed_plan, stream=gate.stream
             )
