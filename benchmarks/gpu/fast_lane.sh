@@ -133,6 +133,26 @@ serve() {  # LEN PROMPTS NAME (PROMPTS at concurrency 16)
   rc=$?; echo "$3: exit $rc"; pack "$3"
 }
 
+ours_curve() {  # NAME ARGS...: three variants of ours (6 engines), eager, 2 GiB of KV each
+                # (4 on an H200), CURVE_LEN (16384) x CURVE_CONC (1 16), 3 rotated rounds
+  weights
+  local name=$1 len=${CURVE_LEN:-16384} kv
+  shift
+  kv=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits |
+    awk 'NR == 1 { print ($1 > 100000 ? 4 : 2) }')
+  # shellcheck disable=SC2086
+  python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/$name$len" \
+    --deployments ours "$@" \
+    --sample-ids-below 4096 --prefill-gpu 0 --decode-gpu 0 --gpu-mem 0.13 \
+    --kv-cache-gib "$kv" --enforce-eager --input-len "$len" \
+    --concurrency ${CURVE_CONC:-1 16} --num-prompts 0 --prompts-per-slot 1 \
+    --min-prompts 4 --output-len 32 --rounds 3 --warmup-requests 4 \
+    --shape-warmup-len 4096 --serve-args "--max-num-seqs 64" \
+    --time-budget "${TIME_BUDGET:-540}" --grace 10 --keep-raw --save-detailed \
+    > "$OUT/$name$len.log" 2>&1
+  rc=$?; echo "$name $len: exit $rc"; pack "$name$len"
+}
+
 for step in "$@"; do
   case "$step" in
     lane)
@@ -322,44 +342,16 @@ print("kvcached033 completion:", json.load(u.urlopen(req, timeout=60))["usage"])
       rc=$?; echo "itl: exit $rc"; pack itl
       ;;
     kvcurve)
-      weights
-      len=${CURVE_LEN:-16384}
-      kv=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits |
-        awk 'NR == 1 { print ($1 > 100000 ? 4 : 2) }')  # 6 engines
-      # shellcheck disable=SC2086
-      python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/kvcurve$len" \
-        --deployments ours --ours-variants plain='{}' kvc='{}' kvl='{}' \
-        --kvcached contiguous --kvcached-on ours-kvc ours-kvl=per_layer \
-        --sample-ids-below 4096 --prefill-gpu 0 --decode-gpu 0 --gpu-mem 0.13 \
-        --kv-cache-gib "$kv" --enforce-eager --input-len "$len" \
-        --concurrency ${CURVE_CONC:-1 16} --num-prompts 0 --prompts-per-slot 1 \
-        --min-prompts 4 --output-len 32 --rounds 3 --warmup-requests 4 \
-        --shape-warmup-len 4096 --serve-args "--max-num-seqs 64" \
-        --time-budget "${TIME_BUDGET:-540}" --grace 10 --keep-raw --save-detailed \
-        > "$OUT/kvcurve$len.log" 2>&1
-      rc=$?; echo "kvcurve $len: exit $rc"; pack "kvcurve$len"
+      ours_curve kvcurve --ours-variants plain='{}' kvc='{}' kvl='{}' \
+        --kvcached contiguous --kvcached-on ours-kvc ours-kvl=per_layer
       ;;
     kvreserve)  # 16k x 16 under kvcached was 1.10-1.13x plain (2026-12-06f), its prefill
       # engine queueing longer: whether kvcached's page map/unmap on the engine's path is it;
       # and, beside plain, plain with the armed landing (six engines fit an H100)
-      weights
-      len=${CURVE_LEN:-16384}
-      kv=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits |
-        awk 'NR == 1 { print ($1 > 100000 ? 4 : 2) }')  # 6 engines
-      # shellcheck disable=SC2086
-      python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/kvreserve$len" \
-        --deployments ours --ours-variants plain='{}' armed='{"armed_landing": true}' \
+      ours_curve kvreserve --ours-variants plain='{}' armed='{"armed_landing": true}' \
         kvr='{}' --kvcached contiguous --kvcached-on ours-kvr \
         --variant-env ours-kvr:KVCACHED_MIN_RESERVED_PAGES=50 \
-        ours-kvr:KVCACHED_MAX_RESERVED_PAGES=200 \
-        --sample-ids-below 4096 --prefill-gpu 0 --decode-gpu 0 --gpu-mem 0.13 \
-        --kv-cache-gib "$kv" --enforce-eager --input-len "$len" \
-        --concurrency ${CURVE_CONC:-1 16} --num-prompts 0 --prompts-per-slot 1 \
-        --min-prompts 4 --output-len 32 --rounds 3 --warmup-requests 4 \
-        --shape-warmup-len 4096 --serve-args "--max-num-seqs 64" \
-        --time-budget "${TIME_BUDGET:-540}" --grace 10 --keep-raw --save-detailed \
-        > "$OUT/kvreserve$len.log" 2>&1
-      rc=$?; echo "kvreserve $len: exit $rc"; pack "kvreserve$len"
+        ours-kvr:KVCACHED_MAX_RESERVED_PAGES=200
       ;;
     serve2k) serve 2048 64 serve2k ;;
     serve8k) serve 8192 48 serve8k ;;
