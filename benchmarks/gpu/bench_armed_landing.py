@@ -108,6 +108,7 @@ def main() -> None:
                 for m, t in times.items()
             },
         }
+    gates.close()
     print(json.dumps(out, indent=1))
 
 
