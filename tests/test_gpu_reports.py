@@ -294,19 +294,25 @@ def test_read_timeline_gives_the_effective_rate_and_a_line_per_run(tmp_path, cap
     """Issue 21's effective rate: bytes over posted -> landed; runs cut at quiet gaps."""
     from benchmarks.gpu import read_timeline
 
-    def read(t: float, landed_ms: float) -> dict:
+    def read(t: float, landed_ms: float, prepared: bool = False) -> dict:
         timeline = {"posted": 0.010, "arrived": 0.0105, "landed": 0.010 + landed_ms / 1e3}
+        if prepared:  # logs since 2026-12-06f: the post's start, 0.2 ms before its return
+            timeline["prepared"] = 0.0098
         return {"time": t, "bytes": 20_000_000, "timeline": timeline}
 
-    records = [read(100.0, 1.0), read(100.5, 2.0), read(110.0, 0.1), read(110.2, 0.2),
-               read(110.4, 0.4), {"bytes": 0, "timeline": {}}]  # fmt: skip
-    rates = dict(read_timeline.rows(records))["posted -> landed, effective GB/s (not ms)"]
+    records = [read(100.0, 1.0), read(100.5, 2.0), read(110.0, 0.1, True),
+               read(110.2, 0.2, True), read(110.4, 0.4, True),
+               {"bytes": 0, "timeline": {}}]  # fmt: skip
+    rows = dict(read_timeline.rows(records))
+    rates = rows["posted -> landed, effective GB/s (not ms)"]
     assert rates == pytest.approx([20.0, 10.0, 200.0, 100.0, 50.0])
+    whole = rows["prepared -> landed (from the post's start), effective GB/s (not ms)"]
+    assert whole == pytest.approx([200 / 3, 50.0, 100 / 3])  # only reads that have it
     runs = read_timeline.split_runs(records, gap_s=5.0)
     assert [len(r) for r in runs] == [2, 3]
     lines = read_timeline.runs_table(records, gap_s=5.0).splitlines()
-    assert lines[2] == "| 0 | 2 | 20.0 | 0.50 | 1.50 | 15.0 | 20.0 |"
-    assert lines[3] == "| 1 | 3 | 20.0 | 0.50 | 0.20 | 100.0 | 200.0 |"
+    assert lines[2] == "| 0 | 2 | 20.0 | 0.50 | 1.50 | 15.0 | 20.0 | nan |"  # older logs
+    assert lines[3] == "| 1 | 3 | 20.0 | 0.50 | 0.20 | 100.0 | 200.0 | 50.0 |"
     log = tmp_path / "decode0.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
     assert read_timeline.main([str(log), "--runs", "5"]) == 0
