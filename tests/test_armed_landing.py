@@ -32,11 +32,8 @@ SOURCES = with_defaults([
 
 @pytest.fixture(scope="module")
 def peer():
-    process = PeerProcess(SOURCES)
-    try:
+    with PeerProcess(SOURCES) as process:
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture(scope="module")

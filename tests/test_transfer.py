@@ -65,11 +65,8 @@ PEER_SOURCES = with_defaults([
 
 @pytest.fixture(scope="module")
 def peer():
-    process = PeerProcess(PEER_SOURCES)
-    try:
+    with PeerProcess(PEER_SOURCES) as process:
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture(scope="module")

@@ -56,11 +56,8 @@ TIMEOUT_S = 30.0
 
 @pytest.fixture(scope="module")
 def peer():
-    process = PeerProcess(SOURCES)
-    try:
+    with PeerProcess(SOURCES) as process:
         yield process
-    finally:
-        process.stop()
 
 
 class Decode:

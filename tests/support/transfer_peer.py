@@ -325,6 +325,12 @@ class PeerProcess:
             self.process.kill()
         self.process.wait(timeout=10)
 
+    def __enter__(self) -> PeerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """Close stdin (the peer says BYE and exits); kill it if it does not."""
         import subprocess
