@@ -551,7 +551,8 @@ def test_a_scatter_into_the_wrong_blocks_fails_the_load(peer, decodes, monkeypat
         decode = decodes(E2B, "per_layer", verify=verify, packed_mib=16, kv_mib=48)
         scatter = decode.sink.packer.scatter
 
-        def shifted(addr, length, staged, slot=0, plan=None, scatter=scatter):
+        def shifted(addr, length, staged, slot=0, plan=None, stream=None, after=None,
+                    scatter=scatter):  # fmt: skip
             # its own plan, of the shifted runs (the one made while the claim was out is not used)
             return scatter(np.roll(addr, 1), np.roll(length, 1), staged, slot=slot)
 

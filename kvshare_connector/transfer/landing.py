@@ -16,6 +16,7 @@ was then seen done only after it.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 
@@ -25,8 +26,8 @@ from kvshare_connector.layout.topology import KVTopology
 from kvshare_connector.layout.verification import VerificationError, compare
 from kvshare_connector.transfer.digests import Digester
 from kvshare_connector.transfer.nixl import NixlTransport
-from kvshare_connector.transfer.packing import CopyPlan, Packer
-from kvshare_connector.transfer.reads import Landing, PackedAhead, Phase, Read
+from kvshare_connector.transfer.packing import Copy, CopyPlan, Packer
+from kvshare_connector.transfer.reads import Landing, PackedAhead, Phase, Read, Transfer
 
 
 class Lander:
@@ -92,18 +93,14 @@ class Lander:
         t, gates = read.transfer, self.packer.gates if self.packer else None
         if gates is None or t is None or t.packed is None or t.slot is None:
             return
-        assert self.packer is not None
         clock = time.perf_counter()
         gate = gates.arm()
         if gate is None:
             return
-        s = t.packed.scatter
+        # planned by now (ahead, or by ``plan_scatter`` at the post): kept, to copy again
+        t.armed_plan, read.scatter_plan = read.scatter_plan, None
         try:
-            planned, read.scatter_plan = read.scatter_plan, None
-            t.armed_plan = planned if planned is not None else self._plan_scatter(t.packed)
-            t.armed = self.packer.scatter(
-                s[:, 0], s[:, 2], s[:, 1], slot=t.slot, plan=t.armed_plan, stream=gate.stream
-            )
+            t.armed = self._scatter(t, t.armed_plan, stream=gate.stream)
         except BaseException:
             gate.open()
             raise
@@ -135,18 +132,15 @@ class Lander:
                 scatter = t.armed
                 clock = read.lap("open", clock)
                 if t.gate.early:  # held past its bound, it may have copied before the bytes
-                    s = t.packed.scatter
-                    scatter = self.packer.scatter(s[:, 0], s[:, 2], s[:, 1], slot=t.slot,
-                                                  plan=t.armed_plan, after=t.armed)  # fmt: skip
+                    scatter = self._scatter(t, t.armed_plan, after=t.armed)
                     clock = read.lap("rescatter", clock)
             self.transport.release(t.handle)
             t.handle = None
             clock = read.lap("release", clock)
             failpoint("sink.before_scatter")
             if scatter is None:
-                s, ahead = t.packed.scatter, read.scatter_plan
-                read.scatter_plan = None
-                scatter = self.packer.scatter(s[:, 0], s[:, 2], s[:, 1], slot=t.slot, plan=ahead)
+                ahead, read.scatter_plan = read.scatter_plan, None
+                scatter = self._scatter(t, ahead)
                 clock = read.lap("scatter", clock)
         digests = None
         if self.digester is not None and plan.verify:
@@ -159,6 +153,16 @@ class Lander:
         read.landing = Landing(scatter, digests)
         read.phase = Phase.LAND
         read.mark("launched")
+
+    def _scatter(
+        self, t: Transfer, plan: CopyPlan | None, stream: Any = None, after: Copy | None = None
+    ) -> Copy:
+        """``t``'s staging slot into its request's blocks (``Packer.scatter``)."""
+        assert self.packer is not None and t.packed is not None and t.slot is not None
+        s = t.packed.scatter
+        return self.packer.scatter(
+            s[:, 0], s[:, 2], s[:, 1], slot=t.slot, plan=plan, stream=stream, after=after
+        )
 
     def close(self) -> None:
         """No gate may stay held once the engine stops."""

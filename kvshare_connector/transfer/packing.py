@@ -15,12 +15,15 @@ import contextlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvshare_connector.layout.staging import word_indices, word_size
 from kvshare_connector.layout.topology import Region
+
+if TYPE_CHECKING:  # gates.py imports this module (its streams are ``side_stream``s)
+    from kvshare_connector.transfer.gates import Gates
 
 ALIGN = 4096  # staging slots start on page boundaries: large words for the copy kernels
 # The largest word (row) a packed copy indexes by: E2B's runs are 32 KiB, so a 32k request's
@@ -240,7 +243,7 @@ def side_stream(device: Any) -> Any:
 class Packer:
     """Gathers a request's runs into a staging slot, or scatters a slot into blocks."""
 
-    def __init__(self, memory: MemoryMap, staging: StagingArea, gates: Any = None):
+    def __init__(self, memory: MemoryMap, staging: StagingArea, gates: Gates | None = None):
         self.memory = memory
         self.staging = staging
         self.gates = gates  # decode's ``StreamGates``: scatters queued before the bytes land
