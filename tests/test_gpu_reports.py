@@ -288,6 +288,11 @@ def test_read_timeline_splits_the_claim_into_prefills_share_and_the_rest():
     assert rows["landing on the host: scatter"] == pytest.approx([0.4])
     assert rows["landing on the host: digests"] == pytest.approx([1.0, 2.0])
     assert "landing on the host: release" not in dict(read_timeline.rows(old))
+    records[2]["landing_host"] = {"armed": 0.0002, "open": 0.00001, "rescatter": 0.0003}
+    rows = dict(read_timeline.rows(records))  # an armed read whose gate the keeper opened
+    assert rows["landing on the host: armed"] == pytest.approx([0.2])
+    assert rows["landing on the host: open"] == pytest.approx([0.01])
+    assert rows["landing on the host: rescatter"] == pytest.approx([0.3])
 
 
 def test_read_timeline_gives_the_effective_rate_and_a_line_per_run(tmp_path, capsys):
