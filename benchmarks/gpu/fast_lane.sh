@@ -79,6 +79,10 @@
 #            50-200 pages kept mapped (KVCACHED_MIN/MAX_RESERVED_PAGES; 5-10 by default;
 #            kvcurve's run has kvcached's default), CURVE_LEN (16384) x CURVE_CONC (1 16),
 #            3 rotated rounds
+#   landing  ours plain alone (2 engines, not 6-8 sharing the host's 16 cores), CURVE_LEN
+#            (16384) x CURVE_CONC (1 16), 3 rounds: the READ's posted -> in place on a host
+#            whose cores are not oversubscribed (in the 6-engine runs the host's landing took
+#            0.55-0.75 ms at 16k, where an isolated landing takes 0.27: bench_armed_landing)
 #   kvcached033  (STACK=033) kvcached 0.1.6 built against vLLM 0.33's torch and `vllm serve`
 #            with ENABLE_KVCACHED=true: whether the engine serves or stops, and its message
 #   faults   the fault matrix (issue 25): FAULT_CASES (default c d e f: prefill hung,
@@ -353,6 +357,7 @@ print("kvcached033 completion:", json.load(u.urlopen(req, timeout=60))["usage"])
         --variant-env ours-kvr:KVCACHED_MIN_RESERVED_PAGES=50 \
         ours-kvr:KVCACHED_MAX_RESERVED_PAGES=200
       ;;
+    landing) ours_curve landing --ours-variants plain='{}' ;;
     serve2k) serve 2048 64 serve2k ;;
     serve8k) serve 8192 48 serve8k ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
