@@ -79,8 +79,9 @@ class ConnectorOptions:
     layer_nudge_ms: float = _option(2.0, "Decode: while reads are in flight, advance them "
                                     "from inside the forward (vLLM's per-layer hook) at "
                                     "most this often; 0: only at step boundaries.")
-    armed_landing: bool = _option(False, "Decode, on CUDA (experimental, not yet run in "
-                                  "serving): queue a packed read's scatter right after its "
+    armed_landing: bool = _option(False, "Decode, on CUDA (experimental: slower on one "
+                                  "H200, where arming outlasts the READ): queue a packed "
+                                  "read's scatter right after its "
                                   "post, behind a stream wait opened once NIXL says done "
                                   "(or after 50 ms by a helper thread, then copied again).",
                                   "KVSHARE_ARMED_LANDING")
