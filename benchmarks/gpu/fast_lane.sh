@@ -82,7 +82,8 @@
 #   landing  ours plain alone (2 engines, not 6-8 sharing the host's 16 cores), CURVE_LEN
 #            (16384) x CURVE_CONC (1 16), 3 rounds: the READ's posted -> in place on a host
 #            whose cores are not oversubscribed (in the 6-engine runs the host's landing took
-#            0.55-0.75 ms at 16k, where an isolated landing takes 0.27: bench_armed_landing)
+#            0.54-0.77 ms at 16k x 1; alone, bench_armed_landing's scatter, without digests,
+#            was launched in 0.12 ms and in place 0.27 ms after the post, 2026-12-06g)
 #   kvcached033  (STACK=033) kvcached 0.1.6 built against vLLM 0.33's torch and `vllm serve`
 #            with ENABLE_KVCACHED=true: whether the engine serves or stops, and its message
 #   faults   the fault matrix (issue 25): FAULT_CASES (default c d e f: prefill hung,
