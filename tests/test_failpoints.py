@@ -96,9 +96,8 @@ SOURCES = with_defaults([
 
 @pytest.fixture(scope="module")
 def peer():
-    process = PeerProcess(SOURCES)
-    yield process
-    process.stop()
+    with PeerProcess(SOURCES) as process:
+        yield process
 
 
 @pytest.fixture(scope="module")

@@ -35,9 +35,9 @@ def source(name: str, model: str = "g4tiny", port: int = 0, requests: int = 6) -
 @pytest.fixture(scope="module")
 def alive():
     """The prefills that stay up: one healthy, one with another model's layout."""
-    process = PeerProcess([source("healthy"), source("other", model="g4uniform", requests=3)])
-    yield process
-    process.stop()
+    sources = [source("healthy"), source("other", model="g4uniform", requests=3)]
+    with PeerProcess(sources) as process:
+        yield process
 
 
 @pytest.fixture(scope="module")
