@@ -236,8 +236,8 @@ def test_a_packed_read_lands_and_frees_its_slot_while_its_digests_still_run(
         freed.append(offset)
         return real_release(offset)
 
-    def launch(plan, after=None):
-        pending = real_launch(plan, after=after)
+    def launch(plan, after=None, after_compute=True):
+        pending = real_launch(plan, after=after, after_compute=after_compute)
         events.append(DigestsStillRunning(0.05, freed))
         pending._event = events[-1]
         return pending
@@ -444,6 +444,14 @@ def test_every_layer_block_digest_equals_the_reference(model, layout, chunk_byte
     other = [list(reversed(group)) for group in ids]
     moved = digester.start(topology, other).result()
     assert any((moved[n] != digests[n]).any() for n in digests if digests[n].size > 1)
+    # The plan's own output went to its first launch; launched again, it gets new memory
+    # and the first launch's digests stay what they were.
+    assert plan.out is None and plan.host is None
+    kvcheck.fill(stack.kv_caches, topology, ids, seed=5)
+    again = digester.launch(plan).result()
+    assert any((again[n] != digests[n]).any() for n in digests if digests[n].size)
+    assert all((digester.launch(digester.plan(topology, ids)).result()[n] == again[n]).all()
+               for n in again)  # fmt: skip
 
 
 def test_verify_kv_is_on_by_default_strict_and_the_lmcache_backend_refuses_it():

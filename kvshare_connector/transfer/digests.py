@@ -16,7 +16,6 @@ torch is imported lazily: the transfer layer stays importable without it.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +31,7 @@ from kvshare_connector.transfer.packing import (
     MemoryMap,
     PackingError,
     side_stream,
+    torch_stream,
     upload,
     upload_on,
 )
@@ -89,6 +89,10 @@ class DigestPlan:
     slices: dict[str, tuple[int, int]]  # layer -> (first, count) in the output
     total: int
     upload_s: float = 0.0  # host seconds of the index upload, a part of the planning
+    # the output on the device and its host copy, allocated with the plan so that the launch
+    # after the READ only launches; taken by the first launch (a second allocates its own)
+    out: Any = None
+    host: Any = None
 
 
 class Digester:
@@ -128,9 +132,20 @@ class Digester:
         real = [[b for b in ids if b] for ids in block_ids]
         groups, indices, slices, total = self._plan(topology, real)
         if self._stream is None:
-            return DigestPlan(groups, indices, slices, total)
+            return DigestPlan(groups, indices, slices, total, 0.0, *self._outputs(total))
         uploaded, seconds = upload_on(self._stream, indices, self.device)
-        return DigestPlan(groups, uploaded, slices, total, seconds)
+        with torch_stream(self._stream):  # the output's memory belongs to the side stream
+            out, host = self._outputs(total)
+        return DigestPlan(groups, uploaded, slices, total, seconds, out, host)
+
+    def _outputs(self, total: int) -> tuple[Any, Any]:
+        """The digests' output on the device and the host memory it is downloaded into
+        (pinned where the download is asynchronous)."""
+        import torch
+
+        out = torch.empty(total, dtype=torch.int64, device=self.device)  # all summed into
+        host = torch.empty(total, dtype=torch.int64, pin_memory=self._stream is not None)
+        return out, host
 
     def launch(
         self, plan: DigestPlan, after: Copy | None = None, after_compute: bool = True
@@ -145,17 +160,18 @@ class Digester:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
             if after is not None and after.event is not None:
                 stream.wait_event(after.event)
-        context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with context:
+        with torch_stream(stream):
             index = plan.indices
             if isinstance(index, np.ndarray):
                 index = upload(index, self.device)
-            out = torch.empty(plan.total, dtype=torch.int64, device=self.device)  # all summed into
+            out, host = plan.out, plan.host
+            plan.out = plan.host = None
+            if out is None:
+                out, host = self._outputs(plan.total)
             first = 0
             for g in plan.groups:
                 self._group(g, index, out[first : first + g.blocks])
                 first += g.blocks
-            host = torch.empty(plan.total, dtype=torch.int64, pin_memory=stream is not None)
             host.copy_(out, non_blocking=stream is not None)
         event = None
         if stream is not None:

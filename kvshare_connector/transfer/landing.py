@@ -148,7 +148,9 @@ class Lander:
             if ahead is None:  # not planned ahead (its claim's answer came at once)
                 ahead = self.digester.plan(self.topology, plan.local_ids)
             read.digest_plan = None
-            digests = self.digester.launch(ahead, after=scatter)
+            # behind the scatter, which waited for the compute stream at its launch; with no
+            # scatter (NIXL wrote the blocks), behind the compute stream
+            digests = self.digester.launch(ahead, after=scatter, after_compute=scatter is None)
             read.lap("digests", clock)
         read.landing = Landing(scatter, digests)
         read.phase = Phase.LAND

@@ -215,14 +215,18 @@ def upload(indices: np.ndarray, device: Any) -> Any:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def torch_stream(stream: Any) -> Any:
+    """A context that makes ``stream`` current; none where there is no stream (the CPU)."""
+    import torch
+
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
 def upload_on(stream: Any, indices: np.ndarray, device: Any) -> tuple[Any, float]:
     """``upload`` on ``stream`` (None: the current one), so that work launched there later
     is ordered after it; and the host seconds it took (a part of a plan, in the read log)."""
-    import torch
-
-    context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
     clock = time.perf_counter()
-    with context:
+    with torch_stream(stream):
         uploaded = upload(indices, device)
     return uploaded, time.perf_counter() - clock
 
@@ -320,8 +324,7 @@ class Packer:
             stream.wait_stream(torch.cuda.current_stream(device))
         if stream is not None and after is not None and after.event is not None:
             stream.wait_event(after.event)
-        context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with context:
+        with torch_stream(stream):
             kv = MemoryMap.rows_of(plan.window, plan.word)
             kv_i = plan.index[: plan.rows]
             if plan.staged_at is not None:  # one kernel: the staging side is a range
