@@ -8,9 +8,9 @@ upload, the layers whose blocks have one shape in one storage are one gather and
 multiply-sum (in bounded chunks) into one output, and that output comes back in one
 asynchronous download; on CUDA all of it runs on a side stream ordered after the compute
 stream (and, on decode, after the scatter), and ``PendingDigests.ready()`` asks the event
-instead of waiting for it. Planning (``Digester.plan``: the indices, uploaded) is apart
-from launching (``Digester.launch``), so decode plans while its claim is answered and,
-once the READ is done, only launches.
+instead of waiting for it. Planning (``Digester.plan``: the indices, uploaded, and the
+output with its host copy, allocated) is apart from launching (``Digester.launch``), so
+decode plans while its claim is answered and, once the READ is done, only launches.
 torch is imported lazily: the transfer layer stays importable without it.
 """
 
