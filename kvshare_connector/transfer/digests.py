@@ -131,12 +131,12 @@ class Digester:
         blocks' bytes are not read until ``launch``."""
         real = [[b for b in ids if b] for ids in block_ids]
         groups, indices, slices, total = self._plan(topology, real)
-        if self._stream is None:
-            return DigestPlan(groups, indices, slices, total, 0.0, *self._outputs(total))
-        uploaded, seconds = upload_on(self._stream, indices, self.device)
+        seconds = 0.0
+        if self._stream is not None:
+            indices, seconds = upload_on(self._stream, indices, self.device)
         with torch_stream(self._stream):  # the output's memory belongs to the side stream
             out, host = self._outputs(total)
-        return DigestPlan(groups, uploaded, slices, total, seconds, out, host)
+        return DigestPlan(groups, indices, slices, total, seconds, out, host)
 
     def _outputs(self, total: int) -> tuple[Any, Any]:
         """The digests' output on the device and the host memory it is downloaded into
