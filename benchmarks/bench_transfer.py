@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.copy_references import idle_cpu, summary, time_cma, time_memcpy, time_memmove
+from kvshare_connector.common.child_process import report as report_line
 from kvshare_connector.devtools.demo import (
     blocks_per_group,
     cpu_packer,
@@ -132,7 +133,7 @@ def run_prefill(args: argparse.Namespace) -> int:
         rounds.append(members)
     regions = [(r.addr, r.nbytes) for r in topology.regions]
     ready = {"rounds": rounds, "num_blocks": topology.num_blocks, "pid": os.getpid()}
-    print(READY + json.dumps({**ready, "regions": regions}), flush=True)
+    report_line(READY, {**ready, "regions": regions})
 
     # A round is held once the one before it was read: a packed request takes a staging
     # slot from its hold until it is read (decode retries its claim meanwhile).

@@ -157,8 +157,8 @@ def test_tp_cell_reads_every_head_slice(peer, monkeypatch, p_tp, d_tp, heads):
         layers = len(ranks[0].stack.kv_caches)
         assert compared >= layers * d_tp * max(heads // d_tp, 1)
         deadline = time.monotonic() + 10  # every prefill rank frees it: read, or released
-        while peer.freed_ranks(name, request["request_id"]) != set(range(p_tp)):
-            assert time.monotonic() < deadline, peer.freed_ranks(name, request["request_id"])
+        while (freed := peer.freed_ranks(name, request["request_id"])) != set(range(p_tp)):
+            assert time.monotonic() < deadline, f"ranks freed: {freed}; {peer.state()}"
             # Decode goes on stepping, as the engine does: without a progress thread, the
             # READ's done-notification leaves only while decode progresses (CI, seed
             # 1996285838: no rank freed in 10 s when decode stopped polling at the READ).

@@ -1,6 +1,7 @@
 """A Python child process that reports by JSON lines, with every wait bounded.
 
-Its stdout is drained on a thread: a child that logs more than a pipe holds would
+The child writes its reports with ``report``, on a stdout of their own; its logs go to
+stderr. Both pipes are drained on threads: a child that logs more than a pipe holds would
 otherwise block while the parent waits for a line it will never print.
 """
 
@@ -14,7 +15,39 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TextIO
+
+_reports: TextIO | None = None
+_reports_lock = threading.Lock()
+
+
+def report(prefix: str, payload: Any) -> None:
+    """Write one line for the parent: ``prefix``, then ``payload`` as JSON.
+
+    Reports get a stdout of their own: the first call keeps a copy of fd 1 for them and
+    points fd 1 at stderr, where logs (vLLM's handler writes to ``sys.stdout``) and C
+    libraries then write. On a shared stdout, ``print`` wrote a report's text and its newline
+    in two calls, and a log record from another thread could land between them: the parent
+    read ``RELEASED {...}INFO ...``, could not parse it, and lost every later report (CI,
+    2026-12-07, tests/test_tp_transfer.py). Each report is written whole, under a lock."""
+    global _reports
+    line = prefix + json.dumps(payload) + "\n"
+    with _reports_lock:
+        if _reports is None:
+            sys.stdout.flush()
+            _reports = os.fdopen(os.dup(1), "w")
+            os.dup2(2, 1)
+        _reports.write(line)
+        _reports.flush()
+
+
+def parse_report(line: str, prefix: str) -> Any:
+    """The payload of a report line that starts with ``prefix``; ``ValueError`` naming the
+    line if it does not parse (the reader that calls this goes on reading)."""
+    try:
+        return json.loads(line[len(prefix) :])
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"malformed {prefix.strip()} line ({exc}): {line[:200]!r}") from exc
 
 
 class Child:
@@ -22,20 +55,21 @@ class Child:
         self.process = subprocess.Popen(
             [sys.executable, *args],
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             cwd=cwd,
         )
         self.lines: queue.Queue[str] = queue.Queue()
-        self.log: list[str] = []
-        threading.Thread(target=self._drain, daemon=True).start()
+        self.log: list[str] = []  # both streams, as they arrive
+        threading.Thread(target=self._drain, args=(self.process.stdout, True), daemon=True).start()
+        threading.Thread(target=self._drain, args=(self.process.stderr, False), daemon=True).start()
 
-    def _drain(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
+    def _drain(self, stream: Any, reports: bool) -> None:
+        for line in stream:
             self.log.append(line)
-            self.lines.put(line)
+            if reports:
+                self.lines.put(line)
 
     def wait_json(self, prefix: str, timeout_s: float) -> dict[str, Any]:
         """The JSON after ``prefix`` on the child's next line that starts with it."""
@@ -48,7 +82,7 @@ class Child:
                     break
                 continue
             if line.startswith(prefix):
-                return json.loads(line[len(prefix) :])
+                return parse_report(line, prefix)
         tail = "".join(self.log[-30:])
         code = self.process.poll()
         why = f"exited with code {code} before printing" if code is not None else "did not print"

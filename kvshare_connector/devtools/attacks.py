@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import json
 import os
 import socket
 import subprocess
@@ -24,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvshare_connector.common.child_process import parse_report, report
 from kvshare_connector.transfer import protocol, side_channel, side_channel_client
 
 READY = "KVSHARE_TARGET_READY "
@@ -53,9 +53,8 @@ def _serve(args: argparse.Namespace) -> int:
     held = requests_block_ids(topology, TOKENS, args.requests, 7)
     for index, ids in enumerate(held):
         source.hold(f"req-{index}", block_ids=ids)
-    print(READY + json.dumps({"engine_id": engine_id, "port": source.port,
-                              "requests": {f"req-{i}": ids for i, ids in enumerate(held)}}),
-          flush=True)  # fmt: skip
+    report(READY, {"engine_id": engine_id, "port": source.port,
+                   "requests": {f"req-{i}": ids for i, ids in enumerate(held)}})  # fmt: skip
     asked = threading.Event()
     closed = threading.Event()
     busy_s = [args.busy_ms / 1e3]
@@ -81,11 +80,10 @@ def _serve(args: argparse.Namespace) -> int:
             refused = source.take_refused()
             with source._lock:
                 early, held_now = len(source._early), len(source._held)
-            print(STATS + json.dumps({"max_poll_ms": worst * 1e3,
-                                      "max_poll_cpu_ms": worst_cpu * 1e3, **refused,
-                                      "early": early, "held": held_now,
-                                      "transport": by_reason}),
-                  flush=True)  # fmt: skip
+            report(STATS, {"max_poll_ms": worst * 1e3,
+                           "max_poll_cpu_ms": worst_cpu * 1e3, **refused,
+                           "early": early, "held": held_now,
+                           "transport": by_reason})  # fmt: skip
             worst = worst_cpu = 0.0
         if busy_s[0]:
             _hold_gil(busy_s[0])
@@ -152,7 +150,7 @@ class TargetProcess:
         threading.Thread(target=self._read, args=(self.process.stderr, False), daemon=True).start()
 
     def _read(self, stream: Any, stdout: bool) -> None:
-        """Protocol lines are kept; everything else is log (vLLM logs to stdout)."""
+        """Report lines are kept; everything else is log."""
         for line in stream:
             with self._changed:
                 if stdout and line.startswith((READY, STATS)):
@@ -169,7 +167,7 @@ class TargetProcess:
                 for i, line in enumerate(self._lines):
                     if line.startswith(prefix):
                         del self._lines[: i + 1]
-                        return json.loads(line[len(prefix) :])
+                        return parse_report(line, prefix)
                 left = deadline - time.monotonic()
                 if left <= 0 or self.process.poll() is not None:
                     code = self.process.poll()

@@ -11,7 +11,6 @@ the pattern. A negative control then reads the wrong blocks and must fail the sa
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -19,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from kvshare_connector.common.child_process import Child
+from kvshare_connector.common.child_process import Child, report
 from kvshare_connector.devtools import kvcheck
 from kvshare_connector.devtools.cpu_stack import LAYOUTS, MODELS
 from kvshare_connector.toolkit import checks
@@ -142,7 +141,7 @@ def run_prefill(args: argparse.Namespace) -> int:
         "sharers": len(topology.sharers),
         "registered_bytes": source.transport.registered_bytes,
     }
-    print(READY + json.dumps(ready), flush=True)
+    report(READY, ready)
     deadline = time.monotonic() + args.lease_s + 30
     read: set[str] = set()
     expired: set[str] = set()
@@ -151,12 +150,8 @@ def run_prefill(args: argparse.Namespace) -> int:
         read |= r
         expired |= e
         time.sleep(0.005)
-    print(
-        DONE
-        + json.dumps(
-            {"read": sorted(read), "expired": sorted(expired), "still_held": sorted(source.held)}
-        ),
-        flush=True,
+    report(
+        DONE, {"read": sorted(read), "expired": sorted(expired), "still_held": sorted(source.held)}
     )
     time.sleep(args.linger_s)
     source.close()

@@ -12,13 +12,13 @@ Run one role per process (JSON lines):
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 import time
 from typing import Any
 
+from kvshare_connector.common.child_process import report
 from kvshare_connector.devtools import kvcheck
 from kvshare_connector.devtools.demo import blocks_per_group
 from kvshare_connector.vllm import compat
@@ -267,16 +267,13 @@ def run_prefill(args: argparse.Namespace) -> None:
     engine.run_until(lambda: len(engine.outputs) == args.requests)
     for rid, out in engine.outputs.items():
         results[rid] = {"kv_transfer_params": out.kv_transfer_params, "tokens": out.new_token_ids}
-    print(
-        READY
-        + json.dumps(
-            {
-                "requests": results,
-                "owners": len(engine.topology.owners),
-                "regions": len(engine.topology.regions),
-            }
-        ),
-        flush=True,
+    report(
+        READY,
+        {
+            "requests": results,
+            "owners": len(engine.topology.owners),
+            "regions": len(engine.topology.regions),
+        },
     )
     # Keep stepping: blocks are freed when decode has read them or the lease ends.
     pool = engine.scheduler.kv_cache_manager.block_pool
@@ -287,17 +284,14 @@ def run_prefill(args: argparse.Namespace) -> None:
         if not source.held:
             break
         time.sleep(0.01)
-    print(
-        RESULT
-        + json.dumps(
-            {
-                "held": sorted(source.held) if source is not None else [],
-                "free_blocks": pool.get_num_free_blocks(),
-                "total_blocks": pool.num_gpu_blocks - 1,  # minus the null block
-                "stats": engine.stats,
-            }
-        ),
-        flush=True,
+    report(
+        RESULT,
+        {
+            "held": sorted(source.held) if source is not None else [],
+            "free_blocks": pool.get_num_free_blocks(),
+            "total_blocks": pool.num_gpu_blocks - 1,  # minus the null block
+            "stats": engine.stats,
+        },
     )
     time.sleep(args.linger_s)
     engine.close()

@@ -10,7 +10,6 @@ every key and prints one ``LMC_STORED {json}`` line.
 from __future__ import annotations
 
 import argparse
-import json
 
 from .lmcache_util import quiet_lmcache
 
@@ -29,6 +28,7 @@ def main() -> None:
     quiet_lmcache()
 
     from kvshare_connector.backends.lmcache.store import LMCacheStore
+    from kvshare_connector.common.child_process import report
     from kvshare_connector.devtools import kvcheck
 
     from .lmcache_util import build, config, drop_outside_windows, full_tables, prompt
@@ -47,7 +47,7 @@ def main() -> None:
     finally:
         backend.close()
     info = {"tokens": receipt.num_tokens, "bytes": receipt.nbytes, "keys": len(receipt.keys)}
-    print(STORED + json.dumps(info), flush=True)
+    report(STORED, info)
 
 
 if __name__ == "__main__":

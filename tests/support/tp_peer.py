@@ -28,7 +28,9 @@ TOKENS = 200
 
 
 def emit(prefix: str, payload: Any) -> None:
-    print(prefix + " " + json.dumps(payload), flush=True)
+    from kvshare_connector.common.child_process import report
+
+    report(prefix + " ", payload)
 
 
 class Engine:
@@ -133,15 +135,23 @@ class TPPeer:
         threading.Thread(target=self._err, daemon=True).start()
 
     def _out(self) -> None:
+        from kvshare_connector.common.child_process import parse_report
+
         assert self.process.stdout is not None
         for line in self.process.stdout:
-            kind, _, body = line.partition(" ")
+            kind, _, _ = line.partition(" ")
+            if kind not in ("READY", "RELEASED", "ALL_READY"):
+                continue  # a log line written before the first report
+            try:
+                body = parse_report(line, kind + " ")
+            except ValueError as exc:  # named in the next failure; later lines still count
+                self.stderr = [*self.stderr[-30:], str(exc)]
+                continue
             with self._lock:
                 if kind == "READY":
-                    info = json.loads(body)
-                    self.ready[info["name"]] = info
+                    self.ready[body["name"]] = body
                 elif kind == "RELEASED":
-                    self.released.append(json.loads(body))
+                    self.released.append(body)
                 elif kind == "ALL_READY":
                     self.all_ready.set()
 
@@ -164,6 +174,12 @@ class TPPeer:
             return {
                 e["rank"] for e in self.released if e["name"] == name and request_id in e["read"]
             }
+
+    def state(self) -> str:
+        """For a failure message: alive or its exit code, and its last stderr lines."""
+        code = self.process.poll()
+        tail = "\n".join(self.stderr[-15:])
+        return f"peer {'alive' if code is None else f'exited ({code})'}; stderr tail:\n{tail}"
 
     def close(self) -> None:
         if self.process.stdin is not None:

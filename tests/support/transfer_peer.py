@@ -46,7 +46,9 @@ PREFIX_BYE = "BYE "
 
 
 def emit(prefix: str, payload: Any) -> None:
-    print(prefix + json.dumps(payload), flush=True)
+    from kvshare_connector.common.child_process import report
+
+    report(prefix, payload)
 
 
 def disjoint_requests(topology: Any, tokens: int, count: int, seed: int) -> list[list[list[int]]]:
@@ -253,18 +255,27 @@ class PeerProcess:
         threading.Thread(target=self._read_stderr, daemon=True).start()
 
     def _read_stdout(self) -> None:
+        from kvshare_connector.common.child_process import parse_report
+
         assert self.process.stdout is not None
         for line in self.process.stdout:
+            prefix = line.partition(" ")[0] + " "
+            if prefix not in (PREFIX_READY, PREFIX_ALL_READY, PREFIX_RELEASED, PREFIX_BYE):
+                continue  # a log line written before the first report
+            try:
+                body = parse_report(line, prefix)
+            except ValueError as exc:  # named in the next failure; later lines still count
+                self.stderr_tail.append(str(exc))
+                continue
             with self._changed:
-                if line.startswith(PREFIX_READY):
-                    info = json.loads(line[len(PREFIX_READY) :])
-                    self.ready[info["name"]] = info
-                elif line.startswith(PREFIX_ALL_READY):
+                if prefix == PREFIX_READY:
+                    self.ready[body["name"]] = body
+                elif prefix == PREFIX_ALL_READY:
                     self.all_ready.set()
-                elif line.startswith(PREFIX_RELEASED):
-                    self.released.append(json.loads(line[len(PREFIX_RELEASED) :]))
-                elif line.startswith(PREFIX_BYE):
-                    self.bye = json.loads(line[len(PREFIX_BYE) :])
+                elif prefix == PREFIX_RELEASED:
+                    self.released.append(body)
+                elif prefix == PREFIX_BYE:
+                    self.bye = body
                 self._changed.notify_all()
         with self._changed:
             self._changed.notify_all()
