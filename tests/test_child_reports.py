@@ -1,11 +1,14 @@
 """A child's report lines survive its other threads logging to stdout.
 
-CI, 2026-12-07: a test peer printed ``RELEASED {...}`` while its side-channel thread logged
-through vLLM's logger (a handler on ``sys.stdout``); the record landed between the line's
-text and its newline, the parent's reader failed to parse it and lost every later release.
-Here a child reports thousands of lines while a thread logs as fast as it can, with the
-interpreter switching threads every microsecond; every report must parse. The negative
-control is the old way (``print``) in the same child: it must corrupt some lines.
+CI, 2026-12-07 (vLLM 0.26): a test peer printed ``RELEASED {...}`` while its side-channel
+thread logged through vLLM's logger (a handler on ``sys.stdout``); the record landed between
+the line's text and its newline, the parent's reader failed to parse it and lost every later
+release. Here a child reports thousands of lines while a thread logs as fast as it can
+through such a handler, with the interpreter switching threads every microsecond; every
+report must parse. The negative control is the old way (``print``) in the same child: it
+must corrupt some lines. The handler is the child's own, not vLLM's: through vLLM 0.33's
+logger the control corrupted no line in CI (why, not known), and a control that can pass
+proves nothing.
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ import pytest
 from kvshare_connector.common.child_process import Child, parse_report
 
 CHILD = r"""
-import sys, threading
-from vllm.logger import init_logger
+import logging, sys, threading
 from kvshare_connector.common.child_process import report
 
-log = init_logger("vllm.kvshare.reports_test")
+log = logging.getLogger("reports_test")  # a handler on sys.stdout, as vLLM 0.26 configures
+handler = logging.StreamHandler(sys.stdout)
+handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(filename)s] %(message)s"))
+log.addHandler(handler)
+log.setLevel(logging.INFO)
 sys.setswitchinterval(1e-6)
 stop = threading.Event()
 
