@@ -6,9 +6,9 @@ the line's text and its newline, the parent's reader failed to parse it and lost
 release. Here a child reports thousands of lines while a thread logs as fast as it can
 through such a handler, with the interpreter switching threads every microsecond; every
 report must parse. The negative control is the old way (``print``) in the same child: it
-must corrupt some lines. The handler is the child's own, not vLLM's: through vLLM 0.33's
-logger the control corrupted no line in CI (why, not known), and a control that can pass
-proves nothing.
+must corrupt some lines. The handler is the child's own, not vLLM's: importing vLLM 0.33's
+logger does not configure its handler (the record went nowhere), so there the control
+corrupted no line in CI, and a control that can pass proves nothing.
 """
 
 from __future__ import annotations
