@@ -25,6 +25,12 @@ def summary(times: list[float], nbytes: int) -> dict[str, float]:
     }
 
 
+def spread_ms(values: list[float]) -> dict[str, float]:
+    """Median and range of per-round milliseconds, as the GPU landing benchmarks report them."""
+    return {"p50": round(statistics.median(values), 4), "min": round(min(values), 4),
+            "max": round(max(values), 4)}  # fmt: skip
+
+
 def timed(fn: Callable[[], object], warmup: int, repeat: int) -> list[float]:
     for _ in range(warmup):
         fn()

@@ -20,13 +20,10 @@ import time
 
 import numpy as np
 
+from benchmarks.copy_references import spread_ms
+
 RUN = 32768  # bytes of one layer-block run of Gemma-4 E2B's KV (block 16 tokens)
 RUNS_PER_TOKEN = 6348 / 32768  # a 32k request: 6,348 runs (207.6 MB)
-
-
-def _stats(values: list[float]) -> dict[str, float]:
-    return {"p50": round(statistics.median(values), 4), "min": round(min(values), 4),
-            "max": round(max(values), 4)}  # fmt: skip
 
 
 def main() -> None:
@@ -102,7 +99,7 @@ def main() -> None:
                     t["host_after_done_ms"].append((launched - done) * 1e3)
         out[str(tokens)] = {
             "bytes": nbytes,
-            **{m: {k: _stats(v) for k, v in t.items()} for m, t in times.items()},
+            **{m: {k: spread_ms(v) for k, v in t.items()} for m, t in times.items()},
             "post_to_in_place_gbps_p50": {
                 m: round(nbytes / statistics.median(t["post_to_in_place_ms"]) / 1e6, 1)
                 for m, t in times.items()

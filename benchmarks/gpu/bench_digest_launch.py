@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from typing import Any
 
 import numpy as np
 
+from benchmarks.copy_references import spread_ms
 from kvshare_connector.layout.topology import (
     BLOCK,
     CONTENT,
@@ -74,11 +74,6 @@ def request_blocks(tokens: int, num_blocks: int, rng: np.random.Generator) -> li
     kept = -(-SLIDING_WINDOW // BLOCK_TOKENS) + 1
     sliding = [0] * (count - kept) + (1 + rng.choice(num_blocks - 1, kept, replace=False)).tolist()
     return [full, sliding]
-
-
-def _stats(values: list[float]) -> dict[str, float]:
-    return {"p50": round(statistics.median(values), 4), "min": round(min(values), 4),
-            "max": round(max(values), 4)}  # fmt: skip
 
 
 def main() -> None:
@@ -134,7 +129,7 @@ def main() -> None:
             int(v.size) * topology.owners[k].geometry.block_bytes for k, v in reference.items()
         )
         out[str(tokens)] = {"bytes_digested": digested, **{
-            m: {k: _stats(v) for k, v in t.items()} for m, t in times.items()}}  # fmt: skip
+            m: {k: spread_ms(v) for k, v in t.items()} for m, t in times.items()}}  # fmt: skip
     print(json.dumps(out, indent=1))
 
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import statistics
 import time
+
+from benchmarks.copy_references import spread_ms
 
 
 def _driver():
@@ -83,8 +84,7 @@ def main() -> None:
             out["armed_launch_ms"].append((a1 - a0) * 1e3)
             out["store_to_done_ms"].append((s1 - s0) * 1e3)
     torch.cuda.synchronize()
-    summary = {k: {"p50": round(statistics.median(v), 4), "min": round(min(v), 4),
-                   "max": round(max(v), 4)} for k, v in out.items()}
+    summary = {k: spread_ms(v) for k, v in out.items()}
     summary["bytes"] = args.rows * args.word
     print(json.dumps(summary, indent=1))
 
