@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from kvshare_connector.common.child_process import Child, parse_report
+from kvshare_connector.common.child_process import Child, parse_report, report_of
 
 CHILD = r"""
 import logging, sys, threading
@@ -107,3 +107,9 @@ def test_child_reads_reports_on_stdout_and_logs_on_stderr():
 def test_a_malformed_report_is_named():
     with pytest.raises(ValueError, match="malformed RELEASED line"):
         parse_report('RELEASED {"read": []}INFO 12-07 a log record\n', "RELEASED ")
+    prefixes = ("READY ", "RELEASED ", "ALL_READY ")
+    assert report_of("INFO 12-07 a log line before the first report\n", prefixes) is None
+    assert report_of('ALL_READY {}\n', prefixes) == ("ALL_READY ", {})
+    assert report_of('RELEASED {"read": ["r"]}\n', prefixes) == ("RELEASED ", {"read": ["r"]})
+    with pytest.raises(ValueError, match="malformed RELEASED line"):
+        report_of('RELEASED {"read": []}INFO 12-07 a log record\n', prefixes)

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 _reports: TextIO | None = None
@@ -39,6 +39,13 @@ def report(prefix: str, payload: Any) -> None:
             os.dup2(2, 1)
         _reports.write(line)
         _reports.flush()
+
+
+def report_of(line: str, prefixes: Sequence[str]) -> tuple[str, Any] | None:
+    """``(prefix, payload)`` of a report line with one of ``prefixes``; None for any other
+    line (a log line written before the first report); ``ValueError`` as ``parse_report``."""
+    prefix = next((p for p in prefixes if line.startswith(p)), None)
+    return None if prefix is None else (prefix, parse_report(line, prefix))
 
 
 def parse_report(line: str, prefix: str) -> Any:

@@ -135,24 +135,24 @@ class TPPeer:
         threading.Thread(target=self._err, daemon=True).start()
 
     def _out(self) -> None:
-        from kvshare_connector.common.child_process import parse_report
+        from kvshare_connector.common.child_process import report_of
 
         assert self.process.stdout is not None
         for line in self.process.stdout:
-            kind, _, _ = line.partition(" ")
-            if kind not in ("READY", "RELEASED", "ALL_READY"):
-                continue  # a log line written before the first report
             try:
-                body = parse_report(line, kind + " ")
+                found = report_of(line, ("READY ", "RELEASED ", "ALL_READY "))
             except ValueError as exc:  # named in the next failure; later lines still count
                 self.stderr = [*self.stderr[-30:], str(exc)]
                 continue
+            if found is None:
+                continue
+            kind, body = found
             with self._lock:
-                if kind == "READY":
+                if kind == "READY ":
                     self.ready[body["name"]] = body
-                elif kind == "RELEASED":
+                elif kind == "RELEASED ":
                     self.released.append(body)
-                elif kind == "ALL_READY":
+                else:
                     self.all_ready.set()
 
     def _err(self) -> None:

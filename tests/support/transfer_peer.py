@@ -255,18 +255,20 @@ class PeerProcess:
         threading.Thread(target=self._read_stderr, daemon=True).start()
 
     def _read_stdout(self) -> None:
-        from kvshare_connector.common.child_process import parse_report
+        from kvshare_connector.common.child_process import report_of
 
         assert self.process.stdout is not None
         for line in self.process.stdout:
-            prefix = line.partition(" ")[0] + " "
-            if prefix not in (PREFIX_READY, PREFIX_ALL_READY, PREFIX_RELEASED, PREFIX_BYE):
-                continue  # a log line written before the first report
             try:
-                body = parse_report(line, prefix)
+                found = report_of(
+                    line, (PREFIX_READY, PREFIX_ALL_READY, PREFIX_RELEASED, PREFIX_BYE)
+                )
             except ValueError as exc:  # named in the next failure; later lines still count
                 self.stderr_tail.append(str(exc))
                 continue
+            if found is None:
+                continue
+            prefix, body = found
             with self._changed:
                 if prefix == PREFIX_READY:
                     self.ready[body["name"]] = body
