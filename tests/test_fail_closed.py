@@ -287,11 +287,17 @@ def test_a_claim_must_name_exactly_the_blocks_the_request_holds(source):
     assert "block ids of group 0 are not the ones prefill holds for request req-a" in (
         reply.refused["req-a"]
     )
-    assert "(not held: [9], not named: [6])" in reply.refused["req-a"]
+    assert "the first 2: it names block 9, prefill holds 6 there" in reply.refused["req-a"]
     # A subset (or nothing at all) would let a claimer that saw part of the params steal
     # the request from its real reader: refused too.
-    assert "not named: [4]" in _claim(source, "c" * 32, [[5, 6]]).refused["req-a"]
-    assert "not named: [4, 5, 6]" in _claim(source, "c" * 32, [[]]).refused["req-a"]
+    assert "it names 2, prefill holds 3" in _claim(source, "c" * 32, [[5, 6]]).refused["req-a"]
+    assert "it names 0, prefill holds 3" in _claim(source, "c" * 32, [[]]).refused["req-a"]
+    # The request's own blocks in another order would put each block's KV at another
+    # position: reversed, sorted differently, rotated, each refused, naming where.
+    for order, first in (([6, 5, 4], 0), ([4, 6, 5], 1), ([5, 6, 4], 0)):
+        why = _claim(source, "c" * 32, [order]).refused["req-a"]
+        assert "in their order" in why and f"the first {first}:" in why, why
+    assert "out of range" in _claim(source, "c" * 32, [[4, 5, (1 << 64) - 1]]).refused["req-a"]
     reply = _claim(source, "c" * 32, [[4], [5]])
     assert "names 2 group(s) of blocks, prefill holds 1" in reply.refused["req-a"]
     # A refused claim took nothing: the right claim still gets the blocks.

@@ -186,12 +186,18 @@ def test_negative_controls_fail_the_same_check(peer, decoders):
     )
     assert bad_layers(missing) == layers
 
-    # 2. The read pointed at the wrong remote blocks (each group's list reversed): bytes
-    # move, into the right local blocks only, and every layer is caught holding the wrong ones.
+    # 2. The read pointed at the wrong remote blocks (each group's list reversed): prefill
+    # refuses the claim, naming the order, and nothing moves. Read into decode's blocks in
+    # the reversed order instead: bytes move, into the request's blocks only, and every
+    # layer is caught holding the wrong ones at its positions.
     reversed_ids = [
         list(reversed(ids)) for ids in request["kv_transfer_params"]["remote_block_ids"]
     ]
-    wrong = decoder.read(request, local_ids, new_id("wrong"), remote_block_ids=reversed_ids)
+    refused = decoder.read(request, local_ids, new_id("wrong"), remote_block_ids=reversed_ids)
+    assert not refused.done and "in their order" in refused.failure, refused.failure
+    assert decoder.untouched()
+    reversed_local = [list(reversed(ids)) for ids in local_ids]
+    wrong = decoder.read(request, reversed_local, new_id("wrong"), check_ids=local_ids)
     assert wrong.done, wrong.failure
     assert wrong.stray == []
     assert bad_layers(wrong.mismatches) == layers
@@ -320,10 +326,11 @@ def test_packed_read_lands_every_block_in_a_few_descriptors(peer, decoders):
     assert packed.sink.packer.staging.used == {}  # the slot came back after the scatter
     assert peer.released_event("e2b_packed", request["request_id"])
 
-    # The same check fails on a packed read of the wrong blocks (each group's ids reversed).
+    # The same check fails on a packed read scattered into the wrong positions (decode's
+    # ids reversed; a reversed remote list is refused by prefill's claim check).
     request = info["requests"][1]
-    wrong_ids = [list(reversed(i)) for i in request["kv_transfer_params"]["remote_block_ids"]]
-    wrong = packed.read(request, local_ids, new_id("packed-wrong"), remote_block_ids=wrong_ids)
+    reversed_local = [list(reversed(ids)) for ids in local_ids]
+    wrong = packed.read(request, reversed_local, new_id("packed-wrong"), check_ids=local_ids)
     assert wrong.done, wrong.failure
     assert wrong.stray == [] and len(wrong.mismatches) > 0
 

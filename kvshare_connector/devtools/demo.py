@@ -292,15 +292,19 @@ def run_demo(args: argparse.Namespace) -> int:
     finally:
         prefill.stop()
 
-    # Negative control: a second prefill; read its blocks in the wrong order.
+    # Negative controls, on a second prefill: kv_transfer_params naming its blocks in the
+    # wrong order (what a proxy that sorts lists sends) must be refused by prefill; its
+    # blocks read into decode's in the wrong order must fail the byte check.
     control = prefill_process()
     try:
         params = dict(control.ready["kv_transfer_params"])
-        params["remote_block_ids"] = [list(reversed(ids)) for ids in params["remote_block_ids"]]
+        reordered = [list(reversed(ids)) for ids in params["remote_block_ids"]]
         _zero(topology)
-        negative = read_and_check(
-            sink, stack, topology, params, local_ids, seed=1, request_id="d-1"
-        )
+        refused = read_and_check(sink, stack, topology, dict(params, remote_block_ids=reordered),
+                                 local_ids, seed=1, request_id="d-1")  # fmt: skip
+        misplaced = [list(reversed(ids)) for ids in local_ids]
+        negative = read_and_check(sink, stack, topology, params, misplaced, seed=1,
+                                  request_id="d-2", check_ids=local_ids)  # fmt: skip
         control.wait_done(30)
     finally:
         control.stop()
@@ -313,8 +317,10 @@ def run_demo(args: argparse.Namespace) -> int:
         and released["read"] == ["req-0"]
         and len(lanes) == 1
     )
-    control_ok = negative.done and bool(negative.mismatches)
-    _report(prefill.ready, stack, topology, local_ids, result, lanes, released, negative)
+    refused_ok = not refused.done and "in their order" in (refused.failure or "")
+    control_ok = refused_ok and negative.done and bool(negative.mismatches)
+    _report(prefill.ready, stack, topology, local_ids, result, lanes, released, negative,
+            refused_ok)  # fmt: skip
     print("RESULT:", "PASS" if ok and control_ok else "FAIL")
     return 0 if ok and control_ok else 1
 
@@ -328,6 +334,7 @@ def _report(
     lanes: list[Any],
     released: dict[str, Any],
     negative: Any,
+    refused: bool,
 ) -> None:
     """The demo's table: what was registered, read and checked."""
     layers = len(stack.kv_caches)
@@ -355,10 +362,11 @@ def _report(
         ("stray writes outside the request", str(len(result.stray))),
         ("prefill released the blocks", str(released["read"] == ["req-0"])),
         (
-            "negative control (wrong blocks) detected",
+            "negative control (blocks misplaced) detected",
             f"{negative.done and bool(negative.mismatches)} ({len(negative.mismatches)} bad "
             "blocks)",
         ),
+        ("negative control (reordered block list) refused by prefill", str(refused)),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

@@ -89,10 +89,14 @@ def compare(
 ) -> tuple[int, list[str]]:
     """``(layer-blocks compared, mismatches)``: decode's digests of ``local_ids`` against
     prefill's for the paired ``remote_ids``. ``remote`` is prefill's digests of every block
-    it holds (``remote_block_ids``, per group). A layer or block prefill did not digest is
-    a mismatch too: nothing unverified passes. Stops at ``limit`` mismatches. Vectorised
-    per layer: it runs on decode's engine thread between the bytes in place and the load
-    reported (3 ms for 6,348 layer-blocks at 32k, one by one in Python)."""
+    it holds, by position in the request: a group's k-th digest is of the k-th non-null
+    block prefill holds. ``remote_block_ids`` is the request's block list as decode was told
+    it (kv_transfer_params, distinct ids): each remote id is looked up there, so a block
+    that sits at another position than prefill's (a reordered list) is compared with the
+    digest of the block prefill holds at that position, and fails. A layer or block prefill
+    did not digest is a mismatch too: nothing unverified passes. Stops at ``limit``
+    mismatches. Vectorised per layer: it runs on decode's engine thread between the bytes
+    in place and the load reported."""
     compared, found = 0, []
     where: dict[int, np.ndarray] = {}  # group -> each pair's index in prefill's digests
     for name in sorted(topology.owners):
@@ -155,5 +159,6 @@ def digest_positions(digested: Sequence[int], wanted: Sequence[int]) -> np.ndarr
 
 
 def remote_ids_of(block_ids: Sequence[Sequence[int]], group: int) -> list[int]:
-    """The non-null ids prefill digested for ``group``, in digest order."""
+    """The non-null ids of ``group``, in order: a request's list of them gives each its
+    position among prefill's digests."""
     return [int(b) for b in block_ids[group] if b]

@@ -85,6 +85,12 @@ def align_block_ids(
             raise BlockIdsMismatch(
                 f"group {g}: prefill sent {len(rids)} block(s), decode holds {len(lids)}"
             )
+        twice = _repeated([b for b in rids if b])
+        if twice is not None:
+            raise BlockIdsMismatch(
+                f"group {g}: prefill's block list names block {twice} more than once (no "
+                "request holds a block twice: the list was altered)"
+            )
         offset = len(rids) - len(lids)
         pairs = []
         for i, lb in enumerate(lids):
@@ -101,3 +107,13 @@ def align_block_ids(
         out_local.append([lb for lb, _ in pairs])
         out_remote.append([rb for _, rb in pairs])
     return out_local, out_remote
+
+
+def _repeated(ids: Sequence[int]) -> int | None:
+    """The first id ``ids`` names twice, or None."""
+    seen: set[int] = set()
+    for b in ids:
+        if b in seen:
+            return b
+        seen.add(b)
+    return None

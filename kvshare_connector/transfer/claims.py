@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import CancelledError, Future
 
-from kvshare_connector.layout.verification import VerificationError
-from kvshare_connector.transfer import protocol
+from kvshare_connector.layout.verification import VerificationError, remote_ids_of
+from kvshare_connector.transfer import kv_params, protocol
 from kvshare_connector.transfer.nixl import TransportError
 from kvshare_connector.transfer.peers import HandshakeError, Peers
 from kvshare_connector.transfer.reads import Grant, Read, ReadOrder, claim_batches
@@ -78,11 +78,8 @@ class Claims:
                 f"{reply.refused[rid]}"
             )
         if rid in reply.held:
-            if read.plan is not None and read.plan.verify and rid not in reply.digests:
-                raise VerificationError(
-                    f"prefill {p.remote_engine_id} sent no KV digests for request {rid}: "
-                    "verify_kv must be on for prefill too"
-                )
+            if read.plan is not None and read.plan.verify:
+                _check_digested(p, reply.digests.get(rid))
             return Grant(reply.packed.get(rid), reply.digests.get(rid), reply.held_s.get(rid),
                          reply.answer_s)  # fmt: skip
         if rid in reply.gone:
@@ -140,6 +137,23 @@ class Claims:
             packed=self.packed,
             verify=verify,
             readers=orders[0].readers,
+        )
+
+
+def _check_digested(p: kv_params.RemotePrefillParams, digests: protocol.KVDigests | None) -> None:
+    """Prefill digested the blocks decode was told, in that order (``VerificationError``
+    if not): a prefill that granted a reordered list has bypassed its own check."""
+    rid = p.remote_request_id
+    if digests is None:
+        raise VerificationError(
+            f"prefill {p.remote_engine_id} sent no KV digests for request {rid}: "
+            "verify_kv must be on for prefill too"
+        )
+    told = [remote_ids_of(p.remote_block_ids, g) for g in range(len(p.remote_block_ids))]
+    if [list(ids) for ids in digests.block_ids] != told:
+        raise VerificationError(
+            f"prefill {p.remote_engine_id} digested other blocks, or the same in another "
+            f"order, than kv_transfer_params name for request {rid} (a reordered list?)"
         )
 
 

@@ -187,8 +187,9 @@ class Lander:
         plan, digests = read.plan, read.grant.digests
         local = read.landing.digests.result()
         remote = {n: np.frombuffer(v, dtype="<u8") for n, v in digests.layers.items()}
+        positions = read.order.params.remote_block_ids  # the request's order, as decode has it
         compared, found = compare(
-            self.topology, plan.local_ids, plan.remote_ids, local, digests.block_ids, remote
+            self.topology, plan.local_ids, plan.remote_ids, local, positions, remote
         )
         if found:
             raise VerificationError(

@@ -27,6 +27,10 @@ class TransportError(RuntimeError):
     """NIXL refused or failed an operation."""
 
 
+class PeerNotLoaded(TransportError):
+    """NIXL does not know the peer's agent (removed, or never loaded): handshake again."""
+
+
 def _nixl_api() -> Any:
     try:
         from nixl import _api
@@ -223,7 +227,8 @@ class NixlTransport:
             remote = self.agent.get_xfer_descs(remote_rows, remote_kind)
             return self.agent.initialize_xfer("READ", local, remote, peer, notification)
         except Exception as exc:
-            raise TransportError(f"NIXL READ from {_name(peer)} could not start: {exc}") from exc
+            kind = PeerNotLoaded if "NOT_FOUND" in str(exc) else TransportError
+            raise kind(f"NIXL READ from {_name(peer)} could not start: {exc}") from exc
 
     def post(self, peer: str, handle: Any) -> None:
         """Post a prepared READ; on failure its handle is released."""

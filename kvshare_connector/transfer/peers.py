@@ -14,6 +14,7 @@ not handshaken again per request.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +53,11 @@ class PeerUnavailable(HandshakeError):
     """A prefill that failed recently: its requests fail at once until it is retried."""
 
 
+class PeerIdentityError(HandshakeError):
+    """The endpoint asked is not the engine ``kv_transfer_params`` name, or hands over a
+    NIXL agent that is not its own."""
+
+
 @dataclass
 class Peer:
     engine_id: str
@@ -61,6 +67,7 @@ class Peer:
     plan: TransferPlan  # the owners' address math, prepared once for every read
     sliced: bool = False  # TP: reads cover part of each block (packed transfer off)
     probe: protocol.ProbeRef | None = None  # prefill's lane probe (``transfer.probe``)
+    nameplate: protocol.NameplateRef | None = None  # ``transfer.nameplate``
 
 
 @dataclass
@@ -73,6 +80,15 @@ class _Link:
     pipe: Pipe | None = None  # claims, once handshaken
     down_until: float = 0.0
     error: Exception | None = None  # why it is down (a LayoutMismatch is re-raised as is)
+
+
+@dataclass
+class _Agent:
+    """A loaded NIXL agent: NIXL's name for it, its metadata's hash, who handed it over."""
+
+    agent: str
+    digest: bytes
+    keys: set[Key]
 
 
 class Peers:
@@ -95,10 +111,15 @@ class Peers:
         self.retry_s = retry_s
         self.pairing = pairing
         self._links: dict[Key, _Link] = {}
+        # NIXL agents loaded, each by the hash of its metadata and the endpoints that handed
+        # it over: removed only when the last of them goes (a relayed handshake hands over
+        # another endpoint's agent; evicting the relay must not unload it)
+        self._agents: dict[str, _Agent] = {}
         self._retired: list[ThreadPoolExecutor] = []  # of evicted peers, joined at close
         self._lock = threading.Lock()  # links are made on the engine thread, asked from others
         self._warned_no_identity = False
         self._in_flight: set[Key] = set()  # handshakes seen unfinished this round
+        self.on_unload: Callable[[str], None] | None = None  # told each agent unloaded
 
     def next_round(self) -> None:
         """A new round of reads (``KVSink.advance``). A handshake seen unfinished stays so
@@ -204,11 +225,12 @@ class Peers:
             owners = pair_owners(self.topology, remote, self.identity, remote_identity)
         old = self._links[key].peer
         if old is not None:
-            self.transport.remove_peer(old.agent)
-        agent = self.transport.add_peer(reply.agent_metadata)
+            self._unload(old.agent, key)
+        agent = self._load(key, reply)
         peer = Peer(reply.engine_id, agent, remote, owners, TransferPlan(owners))
         peer.sliced = is_sliced(self.topology, owners)
         peer.probe = reply.probe
+        peer.nameplate = reply.nameplate
         logger.info(
             "handshake with %s at %s:%d: %d owners, %d sharers, layout %s -> %s",
             peer.engine_id,
@@ -220,6 +242,44 @@ class Peers:
             self.topology.layout,
         )
         return peer
+
+    def _load(self, key: Key, reply: protocol.HandshakeReply) -> str:
+        """The NIXL agent ``reply`` hands over, loaded once for every endpoint handing over
+        the same metadata; another metadata under a loaded agent's name is refused."""
+        digest = hashlib.sha256(reply.agent_metadata).digest()
+        known = self._agents.get(reply.agent_name)
+        if known is not None:
+            if known.digest != digest:
+                holders = ", ".join(f"{h}:{p}" for h, p in sorted(known.keys))
+                raise PeerIdentityError(
+                    f"prefill at {key[0]}:{key[1]} handed over NIXL agent {reply.agent_name} "
+                    f"with other metadata than {holders} did: refused"
+                )
+            known.keys.add(key)
+            return known.agent
+        agent = self.transport.add_peer(reply.agent_metadata)
+        loaded = agent.decode(errors="replace") if isinstance(agent, bytes) else agent
+        if loaded != reply.agent_name:
+            self.transport.remove_peer(agent)
+            raise PeerIdentityError(
+                f"prefill at {key[0]}:{key[1]} named its agent {reply.agent_name}, its "
+                f"metadata is of agent {loaded}"
+            )
+        self._agents[reply.agent_name] = _Agent(agent, digest, {key})
+        return agent
+
+    def _unload(self, agent: str, key: Key) -> None:
+        """``key`` no longer uses ``agent``: unload it once no endpoint does."""
+        name = agent.decode(errors="replace") if isinstance(agent, bytes) else agent
+        known = self._agents.get(name)
+        if known is None:
+            return
+        known.keys.discard(key)
+        if not known.keys:
+            del self._agents[name]
+            self.transport.remove_peer(agent)
+            if self.on_unload is not None:
+                self.on_unload(agent)
 
     def _handshake(self, host: str, port: int, expect: str) -> tuple[protocol.HandshakeReply, Pipe]:
         """The peer's handshake and the pipe for its claims (made here: resolving its
@@ -244,6 +304,11 @@ class Peers:
             raise HandshakeError(f"prefill at {host}:{port} refused the handshake: {reply.message}")
         if not isinstance(reply, protocol.HandshakeReply):
             raise HandshakeError(f"prefill at {host}:{port} answered a {type(reply).__name__}")
+        if reply.engine_id != expect:
+            raise PeerIdentityError(
+                f"prefill at {host}:{port} is engine {reply.engine_id[:100]!r}, "
+                f"kv_transfer_params name {expect[:100]!r}: refused"
+            )
         if reply.protocol_version != protocol.PROTOCOL_VERSION:
             raise HandshakeError(
                 f"prefill at {host}:{port} speaks protocol {reply.protocol_version}, this "
@@ -260,9 +325,22 @@ class Peers:
         logger.warning("prefill at %s:%d evicted for %.0f s: %s", host, port, self.retry_s, error)
         self._mark_down(key, link, error)
 
+    def forget(self, host: str, port: int) -> None:
+        """NIXL no longer knows ``host:port``'s agent: handshake again at its next read,
+        without the eviction's pause (the peer may be fine)."""
+        link = self._links.get((host, port))
+        if link is None or link.peer is None:
+            return
+        logger.warning("prefill at %s:%d: its NIXL agent is gone; handshaking again", host, port)
+        self._unload(link.peer.agent, (host, port))
+        link.peer = None
+        if link.pipe is not None:
+            link.pipe.close()
+            link.pipe = None
+
     def _mark_down(self, key: Key, link: _Link, error: Exception) -> None:
         if link.peer is not None:
-            self.transport.remove_peer(link.peer.agent)
+            self._unload(link.peer.agent, key)
             link.peer = None
         if link.pipe is not None:
             link.pipe.close()  # its claims are cancelled

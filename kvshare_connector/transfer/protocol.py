@@ -27,8 +27,9 @@ from kvshare_connector.layout.topology import (
 # notifications carry the reader's claim token. 3: claims may ask for KV digests.
 # 4: layouts carry the TP shard, claims how many decode ranks read (tensor parallelism).
 # 5: handshake replies name a lane probe, releases carry the reader's claim token.
-# 7: claim replies say how long prefill took to answer.
-PROTOCOL_VERSION = 7
+# 7: claim replies say how long prefill took to answer. 8: handshake replies name the
+# agent's nameplate (``transfer.nameplate``); claims name blocks in the request's order.
+PROTOCOL_VERSION = 8
 NOTIF_PREFIX = b"kvshare:v2:"
 NOTIF_DONE = b"done:"  # decode read the blocks: free them
 NOTIF_ABORT = b"abort:"  # decode gave up on the request: free them too
@@ -272,6 +273,13 @@ class ProbeRef(msgspec.Struct, forbid_unknown_fields=True):
     kv_ipc_capable: bool | None = None
 
 
+class NameplateRef(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """Where prefill's nameplate is in its registered host memory (``transfer.nameplate``)."""
+
+    addr: int
+    nbytes: int
+
+
 class HandshakeReply(msgspec.Struct, tag="handshake", forbid_unknown_fields=True):
     protocol_version: int
     engine_id: str
@@ -279,6 +287,7 @@ class HandshakeReply(msgspec.Struct, tag="handshake", forbid_unknown_fields=True
     agent_metadata: bytes
     layout: LayoutMsg
     probe: ProbeRef | None = None
+    nameplate: NameplateRef | None = None
 
 
 class ErrorReply(msgspec.Struct, tag="error", forbid_unknown_fields=True):

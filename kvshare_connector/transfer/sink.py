@@ -27,14 +27,25 @@ from kvshare_connector.transfer.alignment import align_block_ids
 from kvshare_connector.transfer.claims import ClaimRefused, Claims, PeerDown
 from kvshare_connector.transfer.digests import Digester
 from kvshare_connector.transfer.landing import Lander
-from kvshare_connector.transfer.nixl import NixlTransport, TransportError
+from kvshare_connector.transfer.nameplate import Nameplates
+from kvshare_connector.transfer.nixl import NixlTransport, PeerNotLoaded, TransportError
 from kvshare_connector.transfer.packing import Packer
-from kvshare_connector.transfer.peers import HandshakeError, Pairing, Peer, Peers
+from kvshare_connector.transfer.peers import (
+    HandshakeError,
+    Pairing,
+    Peer,
+    PeerIdentityError,
+    Peers,
+)
 from kvshare_connector.transfer.probe import Lanes, ProbeBuffer, ProbeError
 from kvshare_connector.transfer.reads import Phase, Plan, Read, ReadOrder, Transfer
 from kvshare_connector.transfer.records import LaneReport, SinkProgress, TransferRecord
 from kvshare_connector.transfer.settings import EngineSettings
-from kvshare_connector.transfer.side_channel import SideChannelError, warn_if_no_secret
+from kvshare_connector.transfer.side_channel import (
+    SideChannelError,
+    destination,
+    warn_if_no_secret,
+)
 
 logger = get_logger(__name__)
 
@@ -83,6 +94,8 @@ class KVSink:
         self._draining: dict[str, tuple[Any, str]] = {}  # failed, NIXL not yet let go
         self._stuck: list[tuple[Any, int]] = []  # (handle, slot) of READs we gave up on
         self.lanes = Lanes(transport, probe)
+        self.nameplates = Nameplates(transport, settings.handshake_timeout_s)
+        self.peers.on_unload = self.nameplates.forget
         self.records: list[TransferRecord] = []  # finished since the last take_progress
         self._created: dict[str, float] = {}  # their reads' start, for the timeline
         self.counters = Counter[str]()  # verify_failures, for stats
@@ -278,7 +291,11 @@ class KVSink:
             self.records.append(TransferRecord(read.request_id, 0, 0, 0, 0.0))
             return True
         peer = self.peers.get(p.remote_host, p.remote_port, p.remote_engine_id)
-        if peer is None or not self.lanes.ready(peer, p.remote_host, p.remote_port):
+        if (
+            peer is None
+            or not self._trusted(peer, p)
+            or not self.lanes.ready(peer, p.remote_host, p.remote_port)
+        ):
             return False
         if read.plan is None:
             read.plan = self._plan(read.order, peer)
@@ -291,6 +308,16 @@ class KVSink:
             read.mark("claimed")
         self._post(read, peer)
         return False
+
+    def _trusted(self, peer: Peer, p: kv_params.RemotePrefillParams) -> bool:
+        """``peer``'s agent names the endpoint decode asked (``transfer.nameplate``): its
+        claims are answered by the engine whose memory is read. False while being read."""
+        ref = peer.nameplate
+        return self.nameplates.verified(
+            peer.agent,
+            None if ref is None else (ref.addr, ref.nbytes),
+            destination(p.remote_engine_id, p.remote_host, p.remote_port),
+        )
 
     def _plan(self, order: ReadOrder, peer: Peer) -> Plan:
         p = order.params
@@ -393,6 +420,12 @@ class KVSink:
         if isinstance(error, VerificationError):
             self.counters["verify_failures"] += 1
             logger.error("%s", error)
+        elif isinstance(error, PeerIdentityError):
+            self.counters["refused_peers"] += 1
+            logger.error("%s", error)
+            self.peers.evict(p.remote_host, p.remote_port, error)
+        elif isinstance(error, PeerNotLoaded):
+            self.peers.forget(p.remote_host, p.remote_port)
         elif isinstance(error, ReadFailed | PeerDown | ProbeError):
             self.peers.evict(p.remote_host, p.remote_port, error)
 

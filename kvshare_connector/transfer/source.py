@@ -14,6 +14,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvshare_connector.common.failpoints import failpoint
 from kvshare_connector.common.log import LogBudget, get_logger
 from kvshare_connector.layout.descriptors import request_descriptors
@@ -23,6 +25,7 @@ from kvshare_connector.layout.topology import KVTopology
 from kvshare_connector.transfer import protocol
 from kvshare_connector.transfer.digests import Digester, PendingDigests
 from kvshare_connector.transfer.lanes import LaneInfo
+from kvshare_connector.transfer.nameplate import NAMEPLATE_BYTES, Nameplate
 from kvshare_connector.transfer.nixl import NixlTransport
 from kvshare_connector.transfer.packing import Copy, Packer
 from kvshare_connector.transfer.probe import ProbeBuffer
@@ -39,6 +42,8 @@ logger = get_logger(__name__)
 RELEASED_MEMORY = 100_000  # freed request ids a prefill remembers, to refuse late claims
 EARLY_MEMORY = 4096  # done/abort/releases of requests not held yet (decode was faster)
 MAX_CLAIM_HOLD_S = 90.0  # a claim extends a lease by at most this (or the lease, if longer)
+# A request's blocks are held at most lease + MAX_CLAIM_HOLD_S: its first claim fixes how long
+# its reader may take, and claiming again (a retry, TP's other ranks) never extends that.
 
 
 @dataclass
@@ -55,8 +60,10 @@ class _Held:
 
     deadline: float  # monotonic: freed then unless decode read it
     since: float  # monotonic: when it was held
-    blocks: list[frozenset[int]] | None  # held block ids per group (None: a tool's hold)
+    # held block ids per group, exactly as kv_transfer_params list them (None: a tool's hold)
+    blocks: list[np.ndarray] | None
     reader: str | None = None  # claim token of its one reader, once claimed
+    claim_bound: float = 0.0  # monotonic: set by the first claim, no claim holds past it
     readers_left: int = 1  # TP: decode ranks (sharing the token) still to say done
     packed: _Packed | None = None  # where it was gathered, with packed transfer
     digests: tuple[list[list[int]], PendingDigests] | None = None  # verify_kv
@@ -67,8 +74,10 @@ class KVSource:
 
     Fail closed on claims: the first claim of a held request makes its token the only
     reader (a second decode is refused while the first reads and after: the blocks may be
-    free by then), a claim must name exactly the blocks held for that request, and only
-    the reader (or, before any claim, anyone) can free a request early.
+    free by then), a claim must name exactly the blocks held for that request, per group and
+    in their order (a reordered list would put each block's KV at another position), only
+    the reader (or, before any claim, anyone) can free a request early, and no claim holds
+    a request past its first claim's bound.
     """
 
     def __init__(
@@ -101,16 +110,18 @@ class KVSource:
         self.digester = digester
         self.probe = probe
         probe_ref = self._probe_ref(probe, lane)  # registered before the metadata is taken
-        self._reply = protocol.encode(
-            protocol.HandshakeReply(
-                protocol_version=protocol.PROTOCOL_VERSION,
-                engine_id=self.engine_id,
-                agent_name=transport.name,
-                agent_metadata=transport.metadata(),
-                layout=protocol.layout_to_msg(topology, settings.identity, shard),
-                probe=probe_ref,
-            )
+        self.nameplate = Nameplate()  # which side channel answers for this agent
+        transport.register([self.nameplate.region])
+        reply = protocol.HandshakeReply(
+            protocol_version=protocol.PROTOCOL_VERSION,
+            engine_id=self.engine_id,
+            agent_name=transport.name,
+            agent_metadata=transport.metadata(),
+            layout=protocol.layout_to_msg(topology, settings.identity, shard),
+            probe=probe_ref,
+            nameplate=protocol.NameplateRef(self.nameplate.region.addr, NAMEPLATE_BYTES),
         )
+        self._reply: bytes | None = None  # handed out once the nameplate is written
         # The side channel thread (claims) and the engine thread (hold/poll) share these.
         self._lock = threading.Lock()
         self._held: dict[str, _Held] = {}
@@ -129,6 +140,8 @@ class KVSource:
             inline=inline_answers,
         )  # fmt: skip
         self.host, self.port = settings.host, self.server.port
+        self.nameplate.write(self.server.destination)
+        self._reply = protocol.encode(reply)
 
     def _probe_ref(
         self, probe: ProbeBuffer | None, lane: LaneInfo | None
@@ -146,12 +159,14 @@ class KVSource:
     def take_refused(self) -> dict[str, int]:
         """Refusals since the last call, for stats: ``refused_messages`` (unauthenticated,
         malformed, oversize, rate-limited, replayed, misaddressed or over the per-message
-        caps) and ``refused_claims`` (another reader, or blocks not held for the request)."""
+        caps), ``refused_claims`` (another reader, or blocks not held for the request in
+        that order) and ``hold_limits`` (claimed requests freed at their claim's bound)."""
         messages = sum(self.server.take_refused().values())
         with self._lock:
             messages += self._refused.pop("refused_messages", 0)
             claims = self._refused.pop("refused_claims", 0)
-        return {"refused_messages": messages, "refused_claims": claims}
+            limits = self._refused.pop("hold_limits", 0)
+        return {"refused_messages": messages, "refused_claims": claims, "hold_limits": limits}
 
     def _error(self, message: str) -> bytes:
         """A refused message: counted, logged within budget, answered with why."""
@@ -185,6 +200,8 @@ class KVSource:
             return self._error(
                 f"this is engine {self.engine_id!r}, not {message.expect_engine_id[:100]!r}"
             )
+        if self._reply is None:
+            return self._error("this engine is starting: ask again")
         self._info.log(f"handshake from engine {message.engine_id[:100]}")
         return self._reply
 
@@ -215,8 +232,9 @@ class KVSource:
                     continue
                 if record.reader is None:  # TP: several decode ranks read it
                     record.readers_left = min(max(claim.readers, 1), protocol.MAX_TP)
+                    record.claim_bound = deadline
                 record.reader = token
-                record.deadline = max(record.deadline, deadline)
+                record.deadline = max(record.deadline, min(deadline, record.claim_bound))
                 held.append(request_id)
                 ages[request_id] = round(now - record.since, 6)
                 if claim.packed and record.packed is not None:
@@ -273,13 +291,11 @@ class KVSource:
                 f"{len(record.blocks)}"
             )
         for group, (ids, own) in enumerate(zip(named, record.blocks, strict=True)):
-            named_set = frozenset(b for b in ids if b)
-            if named_set != own:
-                foreign = sorted(named_set - own)[:5]
-                missing = sorted(own - named_set)[:5]
+            why = _order_difference(ids, own)
+            if why:
                 return (
                     f"the claim's block ids of group {group} are not the ones prefill holds "
-                    f"for request {request_id} (not held: {foreign}, not named: {missing})"
+                    f"for request {request_id}, in their order: {why}"
                 )
         return None
 
@@ -330,10 +346,11 @@ class KVSource:
         self._freed.add(request_id)
         return True
 
-    def _forget(self, request_id: str) -> None:
+    def _forget(self, request_id: str) -> _Held:
         record = self._held.pop(request_id)
         if record.packed is not None and self.packer is not None:
             self.packer.staging.release(record.packed.slot)  # later gathers queue behind it
+        return record
 
     def hold(
         self,
@@ -360,8 +377,8 @@ class KVSource:
             self._held[request_id] = record
             if block_ids is None:
                 return
+            record.blocks = [np.asarray(ids, dtype=np.int64) for ids in block_ids]
             real = [[int(b) for b in ids if b] for ids in block_ids]  # never the null block
-            record.blocks = [frozenset(ids) for ids in real]
             if self.packer is not None:
                 record.packed = self._pack(request_id, real)
             if self.digester is not None:
@@ -422,9 +439,18 @@ class KVSource:
         read, self._freed = self._freed, set()
         expired = {r for r, record in self._held.items() if record.deadline <= now}
         for request_id in expired:
-            self._forget(request_id)
-            logger.warning(
-                "decode never read request %s within its lease: freeing its blocks", request_id
+            record = self._forget(request_id)
+            if record.reader is None:
+                logger.warning(
+                    "decode never read request %s within its lease: freeing its blocks",
+                    request_id,
+                )
+                continue
+            self._refused["hold_limits"] += 1
+            self._log.log(
+                f"request {request_id}: its reader claimed it but never said done within "
+                f"the claim's bound ({record.claim_bound - record.since:.0f} s after prefill "
+                "finished): freeing its blocks"
             )
         while self._early and next(iter(self._early.values())) <= now:  # oldest first
             self._early.popitem(last=False)
@@ -444,6 +470,26 @@ def _digest_msgs(
         layers = {name: v.astype("<u8").tobytes() for name, v in pending.result().items()}
         out[request_id] = protocol.KVDigests(block_ids, layers)
     return out
+
+
+def _order_difference(named: list[int], held: np.ndarray) -> str | None:
+    """Where the ids a claim names for one group differ from the held ones, or None.
+    Vectorised: a claim may name 2**17 ids, and prefill's engine thread waits on the lock
+    this runs under."""
+    if len(named) != len(held):
+        return f"it names {len(named)}, prefill holds {len(held)}"
+    try:
+        ids = np.asarray(named, dtype=np.int64)
+    except (OverflowError, ValueError, TypeError):
+        return "it names a block id out of range"
+    at = np.flatnonzero(ids != held)
+    if not at.size:
+        return None
+    i = int(at[0])
+    return (
+        f"{at.size} position(s) differ, the first {i}: it names block {int(ids[i])}, prefill "
+        f"holds {int(held[i])} there (a reordered, shifted or foreign list)"
+    )
 
 
 def _over_caps(message: protocol.SideMessage) -> str | None:

@@ -79,8 +79,11 @@ class Decoder:
         """Every block of every owner is still zero."""
         return kvcheck.nonzero_blocks_outside(self.stack.kv_caches, self.topology, []) == []
 
-    def read(self, request: dict[str, Any], local_ids, request_id: str, **params: Any):
-        """Read through ``read_and_check`` (bounded), with some kv_transfer_params replaced."""
+    def read(
+        self, request: dict[str, Any], local_ids, request_id: str, check_ids=None, **params: Any
+    ):
+        """Read through ``read_and_check`` (bounded), with some kv_transfer_params replaced;
+        the bytes are checked at ``check_ids`` (default: where they were read to)."""
         self.zero()
         return read_and_check(
             self.sink,
@@ -91,6 +94,7 @@ class Decoder:
             seed=request["seed"],
             request_id=request_id,
             timeout_s=HANDSHAKE_S + TRANSFER_S + 5,
+            check_ids=check_ids,
         )
 
     def wait(self, request_id: str, timeout_s: float) -> tuple[bool, str | None, float]:

@@ -1,0 +1,158 @@
+"""Which side channel owns a NIXL agent, said in that agent's own memory.
+
+A handshake reply carries a prefill's NIXL metadata, and anyone can relay it: without a
+shared secret, an endpoint named in ``kv_transfer_params`` could hand decode the real
+prefill's metadata and then approve claims itself, so that decode READs blocks the real
+prefill never approved for that reader. So each prefill writes its side channel's
+destination (``engine@host:port``, what decode dials) into a small registered buffer of its
+own (``Nameplate``), and decode READs it through the agent it was handed before any claim
+(``Nameplates``): the agent's memory names the endpoint that answers for it. A relayed
+handshake names the other endpoint and is refused. What this cannot stop: a process that
+itself WRITEs into prefill's registered memory over NIXL (any holder of the metadata can;
+with a secret, only engines that hold it get the metadata: docs/security.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvshare_connector.layout.topology import Region
+from kvshare_connector.transfer.nixl import NixlTransport, TransportError
+from kvshare_connector.transfer.peers import PeerIdentityError
+
+NAMEPLATE_BYTES = 1024
+_MAGIC = b"kvshare-nameplate-v1\0"
+_LENGTH = struct.Struct("<H")
+_DIGEST = 32
+MAX_DESTINATION = NAMEPLATE_BYTES - len(_MAGIC) - _LENGTH.size - _DIGEST
+SLOTS = 16  # decode: nameplate READs in flight at once (one per new prefill agent)
+
+
+def encode(destination: str) -> bytes:
+    """The nameplate of ``destination``: magic, length, text, SHA-256 of those, zeros."""
+    text = destination.encode()
+    if len(text) > MAX_DESTINATION:
+        raise ValueError(f"side-channel destination longer than {MAX_DESTINATION} bytes")
+    record = _MAGIC + _LENGTH.pack(len(text)) + text
+    record += hashlib.sha256(record).digest()
+    return record.ljust(NAMEPLATE_BYTES, b"\0")
+
+
+def decode(raw: bytes) -> str | None:
+    """The destination a nameplate names, or None if ``raw`` is no whole nameplate."""
+    if not raw.startswith(_MAGIC) or len(raw) < len(_MAGIC) + _LENGTH.size:
+        return None
+    (length,) = _LENGTH.unpack_from(raw, len(_MAGIC))
+    end = len(_MAGIC) + _LENGTH.size + length
+    if length > MAX_DESTINATION or hashlib.sha256(raw[:end]).digest() != raw[end : end + _DIGEST]:
+        return None
+    return raw[len(_MAGIC) + _LENGTH.size : end].decode(errors="replace")
+
+
+class Nameplate:
+    """Prefill's nameplate: registered with its agent before the metadata is taken,
+    written once its side channel's destination is known (the port may be any free one)."""
+
+    def __init__(self) -> None:
+        self.buffer = np.zeros(NAMEPLATE_BYTES, dtype=np.uint8)
+
+    @property
+    def region(self) -> Region:
+        return Region(int(self.buffer.ctypes.data), NAMEPLATE_BYTES, -1)
+
+    def write(self, destination: str) -> None:
+        self.buffer[:] = np.frombuffer(encode(destination), dtype=np.uint8)
+
+
+@dataclass
+class _Reading:
+    handle: Any
+    slot: int
+    started: float
+
+
+class Nameplates:
+    """Decode: READs each new prefill agent's nameplate once, on the engine thread, and
+    checks it names the endpoint decode asked (``verified``)."""
+
+    def __init__(self, transport: NixlTransport, timeout_s: float):
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.buffer = np.zeros((SLOTS, NAMEPLATE_BYTES), dtype=np.uint8)
+        transport.register([Region(int(self.buffer.ctypes.data), self.buffer.nbytes, -1)])
+        self._free = list(range(SLOTS))
+        self._reading: dict[str, _Reading] = {}  # agent -> its READ in flight
+        self._checked: dict[str, str] = {}  # agent -> the destination it named
+
+    def verified(self, agent: str, ref: tuple[int, int] | None, where: str) -> bool:
+        """True once ``agent``'s nameplate (at ``ref``: address, bytes) is read and names
+        ``where``; False while its READ is under way; ``PeerIdentityError`` if it names
+        another endpoint, is no nameplate, or cannot be read."""
+        named = self._checked.get(agent)
+        if named is None:
+            if ref is None:
+                raise PeerIdentityError(
+                    f"the engine at {where} names no nameplate in its handshake: cannot tell "
+                    "that the NIXL agent it hands over is its own (an older kvshare?)"
+                )
+            named = self._read(agent, ref, where)
+            if named is None:
+                return False
+        if named != where:
+            raise PeerIdentityError(
+                f"the endpoint {where} handed over the NIXL agent of {named} (a relayed "
+                "handshake): refused, its claims would not be that engine's"
+            )
+        return True
+
+    def _read(self, agent: str, ref: tuple[int, int], where: str) -> str | None:
+        reading = self._reading.get(agent)
+        if reading is None:
+            if not self._free:
+                return None  # others are being read: next round
+            slot = self._free.pop()
+            addr, nbytes = ref
+            local = self.buffer[slot]
+            local[:] = 0
+            rows_local = np.asarray([[local.ctypes.data, NAMEPLATE_BYTES, 0]], np.int64)
+            rows_remote = np.asarray([[addr, min(nbytes, NAMEPLATE_BYTES), 0]], np.int64)
+            try:
+                handle = self.transport.read(agent, rows_local, "DRAM", rows_remote, "DRAM", b"")
+            except TransportError as exc:
+                self._free.append(slot)
+                raise PeerIdentityError(f"the nameplate of {where} cannot be read: {exc}") from exc
+            reading = self._reading[agent] = _Reading(handle, slot, time.monotonic())
+        state = self.transport.state(reading.handle)
+        if state == "PROC" and time.monotonic() - reading.started < self.timeout_s:
+            return None
+        del self._reading[agent]
+        if state == "PROC":
+            self.transport.release(reading.handle)  # NIXL may still write the slot: lost
+            raise PeerIdentityError(f"the nameplate of {where} did not arrive in time")
+        self.transport.release(reading.handle)
+        raw = self.buffer[reading.slot].tobytes()
+        self._free.append(reading.slot)
+        if state != "DONE":
+            raise PeerIdentityError(f"the nameplate READ from {where} failed")
+        named = decode(raw)
+        if named is None:
+            raise PeerIdentityError(
+                f"the memory {where} names as its nameplate holds none: refused"
+            )
+        self._checked[agent] = named
+        return named
+
+    def forget(self, agent: str) -> None:
+        """``agent`` was removed: a new one of that name is read again."""
+        self._checked.pop(agent, None)
+        reading = self._reading.pop(agent, None)
+        if reading is not None:
+            if self.transport.state(reading.handle) != "PROC":
+                self._free.append(reading.slot)
+            self.transport.release(reading.handle)
