@@ -6,6 +6,7 @@ business, no NIXL), vLLM's real Scheduler for the prompt check."""
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import msgspec
@@ -388,3 +389,29 @@ def test_config_digest_ignores_where_the_model_was_loaded_from():
     moved = dict(config, _name_or_path="google/gemma-4-E2B-it", transformers_version="5.17")
     assert config_digest(config) == config_digest(moved)
     assert config_digest(config) != config_digest(dict(config, hidden_size=2048))
+
+
+def test_claiming_again_never_holds_a_request_past_its_first_claims_bound():
+    """A reader that claims again and again (each claim asks for more time) once kept a
+    request's blocks for as long as it went on; they are freed at the first claim's
+    bound, and that is counted."""
+    from kvshare_connector.transfer.source import KVSource
+
+    made = KVSource(tiny_topology(), StandInTransport(), EngineSettings("prefill-x", lease_s=0.2))
+    try:
+        made.hold("req-a", block_ids=[[4, 5, 6]])
+        claim = protocol.Claim(protocol.PROTOCOL_VERSION, "decode-1", ["req-a"], 0.5,
+                               token="p" * 32, block_ids={"req-a": [[4, 5, 6]]})  # fmt: skip
+        payload = protocol.encode(claim)
+        first = time.monotonic()
+        expired: set[str] = set()
+        while not expired and time.monotonic() - first < 10.0:  # claims every 50 ms
+            reply = protocol.decode(ask("127.0.0.1", made.port, payload, 5.0,
+                                        engine_id="prefill-x"))  # fmt: skip
+            assert reply.held == ["req-a"] or reply.gone == ["req-a"]
+            _, expired = made.poll()
+            time.sleep(0.05)
+        assert expired == {"req-a"}, "re-claiming held the request for 10 s"
+        assert made.take_refused()["hold_limits"] == 1
+    finally:
+        made.close()

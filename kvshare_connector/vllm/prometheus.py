@@ -38,6 +38,8 @@ _COUNTER_HELP = {
     "sent": "Prefill requests whose KV decode has (read, or stored for it).",
     "refused_messages": "Side-channel messages refused (unauthenticated, garbage, oversize).",
     "refused_claims": "Claims refused (a second reader, blocks not held for the request).",
+    "refused_peers": "Prefill endpoints refused: another engine, or another engine's agent.",
+    "hold_limits": "Claimed requests freed at the claim's bound (the reader never finished).",
     "packed_reads": "Reads that moved the request packed (few large descriptors).",
     "direct_reads": "Reads that moved block by block (no staging room, or packing off).",
     "verified_loads": "Loads whose KV digests matched prefill's (verify_kv).",

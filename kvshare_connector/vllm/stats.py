@@ -16,12 +16,17 @@ _SERIES = ("bytes", "blocks", "descriptors", "seconds")
 # packed_reads / direct_reads: how decode's reads moved (few large runs, or block by block).
 # verified_loads / verify_failures: verify_kv's digests matched prefill's, or did not.
 # slow_lanes: lane probes that found a prefill reachable only on a slow lane (tcp emulation).
+# refused_peers: decode refused an endpoint that is not the engine the params name, or that
+# handed over another engine's NIXL agent. hold_limits: prefill freed a claimed request at
+# its claim's bound (its reader never said done).
 COUNTERS = (
     "failed_loads",
     "expired_leases",
     "sent",
     "refused_messages",
     "refused_claims",
+    "refused_peers",
+    "hold_limits",
     "packed_reads",
     "direct_reads",
     "verified_loads",

@@ -149,6 +149,8 @@ class Served:
             {
                 "name": self.name,
                 "engine_id": engine_id,
+                "host": self.source.host,
+                "port": self.source.port,
                 "model": spec["model"],
                 "layout": topology.layout,
                 "owners": len(topology.owners),
