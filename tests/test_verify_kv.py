@@ -28,6 +28,7 @@ from kvshare_connector.devtools.demo import (
 )
 from kvshare_connector.layout import verification
 from kvshare_connector.layout.verification import compare, remote_ids_of
+from kvshare_connector.transfer import claims as claims_module
 from kvshare_connector.transfer.nixl import NixlTransport
 from kvshare_connector.transfer.settings import EngineSettings
 from kvshare_connector.transfer.sink import KVSink
@@ -47,6 +48,8 @@ SOURCES = [
      "verify": True},
     {"name": "tamper_packed", "model": E2B, "layout": "kvcached_contiguous", "requests": 2,
      "seed": 60, "verify": True, "packed_mib": 16, "kv_mib": 64},
+    {"name": "reorder", "model": "g4tiny", "layout": "per_layer", "requests": 6, "seed": 80,
+     "verify": True},
 ]  # fmt: skip
 for _spec in SOURCES:
     _spec.setdefault("tokens", TOKENS)
@@ -573,3 +576,67 @@ def test_a_scatter_into_the_wrong_blocks_fails_the_load(peer, decodes, monkeypat
         monkeypatch.undo()
     assert outcomes[False].done and outcomes[False].packed and outcomes[False].mismatches
     assert not outcomes[True].done and "differs from prefill block" in outcomes[True].failure
+
+
+def _reversed_ids(request: dict) -> list[list[int]]:
+    return [list(reversed(ids)) for ids in request["kv_transfer_params"]["remote_block_ids"]]
+
+
+def test_a_reordered_block_list_is_refused_by_prefill_and_nothing_moves(peer, decodes):
+    """What a proxy that sorts or reverses lists sends: the request's own blocks in another
+    order. Prefill refuses the claim, naming the order; the right order then loads."""
+    decode = decodes("g4tiny", "per_layer", verify=True)
+    request = peer.request("reorder", 0)
+    params = dict(request["kv_transfer_params"], remote_block_ids=_reversed_ids(request))
+    refused, _ = decode.read(dict(request, kv_transfer_params=params), 40, "reorder-refused")
+    assert not refused.done and "in their order" in refused.failure, refused.failure
+    assert "prefill" in refused.failure and "refused the claim" in refused.failure
+    right, local_ids = decode.read(request, 40, "reorder-right")
+    assert right.done and not right.mismatches, right.failure
+    assert record_of(decode.sink, "reorder-right").verified == layer_blocks(
+        decode.topology, local_ids
+    )
+
+
+@pytest.mark.parametrize("prefill_told", ["its order", "the reordered list"])
+def test_a_reordered_read_past_prefills_check_fails_by_position(
+    peer, decodes, monkeypatch, prefill_told
+):
+    """Prefill's check bypassed (a prefill that does not check, or a claim that names its
+    blocks in order while decode reads another): decode compares digests by position in
+    the request, so each block read from another position fails; the control (no
+    verify_kv) loads the misplaced KV. Told the reordered list, prefill would refuse: here
+    its digests' order is what decode checks first ("the reordered list": prefill's digest
+    list rewritten to the reordered order, as a lying prefill would)."""
+    outcomes = {}
+    for index, verify in enumerate((False, True)):
+        decode = decodes("g4tiny", "per_layer", verify=verify)
+        request = peer.request("reorder", 1 + index + (2 if prefill_told != "its order" else 0))
+        original = request["kv_transfer_params"]["remote_block_ids"]
+        claim = decode.sink.claims._claim
+
+        def in_order(orders, verify_, claim=claim, original=original):
+            sent = claim(orders, verify_)
+            sent.block_ids = {rid: [list(ids) for ids in original] for rid in sent.block_ids}
+            return sent
+
+        monkeypatch.setattr(decode.sink.claims, "_claim", in_order)
+        if prefill_told != "its order":  # digests listed as decode was told
+
+            def relabelled(p, digests, check=claims_module._check_digested):
+                if digests is not None:
+                    digests.block_ids = [[b for b in ids if b] for ids in p.remote_block_ids]
+                check(p, digests)
+
+            monkeypatch.setattr(claims_module, "_check_digested", relabelled)
+        params = dict(request["kv_transfer_params"], remote_block_ids=_reversed_ids(request))
+        wrong = dict(request, kv_transfer_params=params)
+        outcomes[verify], _ = decode.read(wrong, 41, f"reorder-bypass-{prefill_told}-{verify}")
+        monkeypatch.undo()
+    assert outcomes[False].done and outcomes[False].mismatches  # misplaced KV, unnoticed
+    failure = outcomes[True].failure or ""
+    assert not outcomes[True].done
+    if prefill_told == "its order":
+        assert "in another order, than kv_transfer_params name" in failure, failure
+    else:
+        assert "differs from prefill block" in failure, failure
