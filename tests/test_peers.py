@@ -135,11 +135,11 @@ def test_a_steps_claims_to_one_prefill_go_in_one_message(sink, alive, monkeypatc
     claims: list[protocol.Claim] = []
     send = Pipe.send
 
-    def counting(pipe, payload):
+    def counting(pipe, payload, *bound):
         message = protocol.decode(payload)
         if isinstance(message, protocol.Claim):
             claims.append(message)
-        return send(pipe, payload)
+        return send(pipe, payload, *bound)
 
     monkeypatch.setattr(Pipe, "send", counting)
     ids = {f"batch-{i}" for i in range(4)}

@@ -42,6 +42,11 @@ class Claims:
         self.settings = settings
         self.packed = packed  # this reader can take packed requests
         self._due: list[Read] = []
+        groups = peers.topology.groups
+        self._owners = [  # owner layers per group: each has a digest per block in a reply
+            sum(1 for o in peers.topology.owners.values() if o.group == g)
+            for g in range(len(groups))
+        ]
 
     def grant(self, read: Read) -> Grant | None:
         """Prefill's grant once it confirmed it holds the blocks for this reader (and
@@ -117,7 +122,8 @@ class Claims:
                 read.claims += 1
                 if "asked" not in read.marks:
                     read.mark("asked")
-            future = _answer(pipe.send(protocol.encode(claim)), key, claim.request_ids)
+            bound = reply_bound([r.order for r in batch], self._owners, verify)
+            future = _answer(pipe.send(protocol.encode(claim), bound), key, claim.request_ids)
             for read in batch:
                 read.claim = future
         return failed
@@ -138,6 +144,25 @@ class Claims:
             verify=verify,
             readers=orders[0].readers,
         )
+
+
+REPLY_BASE_BYTES = 64 << 10  # a claim reply's framing and fields, beside its requests'
+REPLY_REQUEST_BYTES = 4 << 10  # a request's id in the reply's lists, its refusal text
+REPLY_LAYER_BYTES = 1 << 10  # a layer's name and framing in a request's digests
+
+
+def reply_bound(orders: list[ReadOrder], owners: list[int], verify: bool) -> int:
+    """The longest answer prefill can give a claim of ``orders``: what decode reads of one
+    at most, so a peer announcing more is refused before any of it is read."""
+    total = REPLY_BASE_BYTES
+    for order in orders:
+        total += REPLY_REQUEST_BYTES
+        if verify:
+            for group, ids in enumerate(order.params.remote_block_ids):
+                n = sum(1 for b in ids if b)  # ids as msgpack ints (<= 9 B), digests 8 B each
+                layers = owners[group] if group < len(owners) else max(owners, default=0)
+                total += n * (9 + 8 * layers) + layers * REPLY_LAYER_BYTES
+    return total
 
 
 def _check_digested(p: kv_params.RemotePrefillParams, digests: protocol.KVDigests | None) -> None:

@@ -37,6 +37,8 @@ from kvshare_connector.transfer.side_channel_client import Pipe, ask_retrying
 logger = get_logger(__name__)
 
 RETRY_S = 5.0  # how long a failed or mismatched peer is not asked again
+# a handshake reply's bound (a layout and NIXL metadata: kilobytes for any model here)
+HANDSHAKE_REPLY_BYTES = 16 << 20
 ASKS_PER_PEER = 2  # side-channel asks in flight to one prefill at once
 T = TypeVar("T")
 Key = tuple[str, int]  # (host, port) of a prefill's side channel
@@ -144,7 +146,8 @@ class Peers:
         decoded. A prefill that answers "busy" is asked again (with backoff, within the
         timeout): it is alive, and a refusal for rate is no reason to drop it."""
         payload = protocol.encode(message)
-        raw = ask_retrying(key[0], key[1], payload, self.timeout_s, self.settings.secret, engine_id)
+        raw = ask_retrying(key[0], key[1], payload, self.timeout_s, self.settings.secret,
+                           engine_id, HANDSHAKE_REPLY_BYTES)  # fmt: skip
         return protocol.decode(raw)
 
     def pipe(self, key: Key) -> Pipe | None:

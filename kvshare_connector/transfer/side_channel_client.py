@@ -40,18 +40,19 @@ class _Closed(ConnectionError):
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    chunks, got = [], 0
-    while got < n:
+    """Exactly ``n`` bytes into one buffer, grown only as they arrive (a peer that
+    announces much and sends little costs what it sent)."""
+    out = bytearray()
+    while len(out) < n:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError
         sock.settimeout(left)
-        chunk = sock.recv(min(n - got, 1 << 20))
+        chunk = sock.recv(min(n - len(out), 1 << 20))
         if not chunk:
             raise _Closed("connection closed before the whole reply")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
+        out += chunk
+    return bytes(out)
 
 
 def ask(
@@ -107,6 +108,7 @@ def ask_retrying(
     timeout_s: float,
     secret: bytes | None = None,
     engine_id: str = "",
+    max_reply_bytes: int = MAX_REPLY_BYTES,
 ) -> bytes:
     """``ask``, asking again (with backoff, within ``timeout_s`` in all) while the peer
     answers ``busy`` or ``overloaded``, or resets the connection unanswered: it is alive,
@@ -115,7 +117,8 @@ def ask_retrying(
     pause = 0.005
     while True:
         try:
-            return ask(host, port, payload, deadline - time.monotonic(), secret, engine_id)
+            left = deadline - time.monotonic()
+            return ask(host, port, payload, left, secret, engine_id, max_reply_bytes)
         except SideChannelError as exc:
             if not retryable(exc) or time.monotonic() + pause >= deadline:
                 raise
@@ -123,11 +126,15 @@ def ask_retrying(
             pause = min(pause * 2, 0.2)
 
 
+PUMP_BYTES = 4 << 20  # read by one ``Pipe.pump`` at most: the engine thread's share per call
+
+
 @dataclass
 class _Pending:
     nonce: bytes
     deadline: float
     future: Future[bytes]
+    max_reply: int  # the largest answer this request can have: a longer one is refused unread
 
 
 class Pipe:
@@ -140,6 +147,11 @@ class Pipe:
     past ``timeout_s`` fails, and so does every request behind it on the connection,
     which is closed (the next ``send`` opens another); a reset or a closed connection
     fails its requests with ``SideChannelReset`` (``retryable``).
+
+    Whatever the peer sends, one ``pump`` reads at most ``PUMP_BYTES``, and only what
+    the oldest request's reply still lacks: its header first, whose length is checked
+    against what that request can be answered with (``send``'s ``max_reply``) before any
+    of the body is read; a reply longer than that fails the connection unread.
     """
 
     def __init__(
@@ -163,8 +175,9 @@ class Pipe:
         self._in = bytearray()
         self._pending: deque[_Pending] = deque()
 
-    def send(self, payload: bytes) -> Future[bytes]:
-        """Queue ``payload`` as a signed request; its future gets the answer (or why not)."""
+    def send(self, payload: bytes, max_reply: int | None = None) -> Future[bytes]:
+        """Queue ``payload`` as a signed request; its future gets the answer (or why not),
+        which may be at most ``max_reply`` bytes (default: the pipe's bound)."""
         future: Future[bytes] = Future()  # pending until settled (``close`` cancels it)
         self.pump()  # a connection the peer closed meanwhile is seen closed now
         try:
@@ -175,7 +188,8 @@ class Pipe:
             return future
         frame, nonce = encode_request(payload, self._destination, self._secret)
         self._out += frame
-        self._pending.append(_Pending(nonce, time.monotonic() + self.timeout_s, future))
+        bound = self._max if max_reply is None else min(max_reply, self._max)
+        self._pending.append(_Pending(nonce, time.monotonic() + self.timeout_s, future, bound))
         self.pump()
         return future
 
@@ -183,24 +197,19 @@ class Pipe:
         """Write what is queued, read what came in, settle what it answers; never waits."""
         if self._sock is None:
             return
-        ended: OSError | None = None
         try:
             if self._connecting and not self._connected():
                 self._expire(time.monotonic())
                 return
             self._write()
             self._read()
-        except OSError as exc:  # what came in before it ended is still answered
-            ended = exc
-        try:
-            self._settle()
-        except SideChannelError as exc:  # garbage where a reply should be
+        except SideChannelError as exc:  # garbage where a reply should be, or too long
             self.close(exc)
             return
-        if ended is not None:
-            self.close(_unanswered(ended, self.where))
-        else:
-            self._expire(time.monotonic())
+        except OSError as exc:  # what came in whole before it ended was settled already
+            self.close(_unanswered(exc, self.where))
+            return
+        self._expire(time.monotonic())
 
     def close(self, error: SideChannelError | None = None) -> None:
         """Close the connection; its requests not answered fail with ``error`` (default:
@@ -253,31 +262,61 @@ class Pipe:
             del self._out[:sent]
 
     def _read(self) -> None:
+        """Read what the oldest unanswered reply lacks, settling each as it completes,
+        within ``PUMP_BYTES``; with nothing asked, anything the peer sends is an error."""
         assert self._sock is not None
-        while True:
+        budget = PUMP_BYTES
+        while budget > 0:
+            want = self._lacking()
+            if want is None:  # answered everything asked: the peer has nothing to say
+                if budget == PUMP_BYTES:  # (not looked at past a reply just read)
+                    self._idle()
+                return
             try:
-                chunk = self._sock.recv(1 << 20)
+                chunk = self._sock.recv(min(want, budget, 1 << 20))
             except BlockingIOError:
                 return
             if not chunk:
                 raise _Closed("connection closed by the peer")
             self._in += chunk
+            budget -= len(chunk)
+            self._settle()
+
+    def _lacking(self) -> int | None:
+        """Bytes the oldest pending reply still lacks (its header's length checked against
+        its bound as soon as the header is in); None when nothing is pending."""
+        if not self._pending:
+            return None
+        if len(self._in) < HEADER_BYTES:
+            return HEADER_BYTES - len(self._in)
+        length = reply_length(
+            bytes(self._in[:HEADER_BYTES]), self.where, self._pending[0].max_reply
+        )
+        return HEADER_BYTES + length - len(self._in)
+
+    def _idle(self) -> None:
+        """Nothing is asked: the peer closing is seen now, a byte it sends is an error."""
+        assert self._sock is not None
+        try:
+            chunk = self._sock.recv(1)
+        except BlockingIOError:
+            return
+        if not chunk:
+            raise _Closed("connection closed by the peer")
+        raise SideChannelError(f"peer at {self.where} sent a reply nobody asked for")
 
     def _settle(self) -> None:
-        """Hand each whole reply in the buffer to the oldest request waiting."""
-        while len(self._in) >= HEADER_BYTES and self._pending:
-            length = reply_length(bytes(self._in[:HEADER_BYTES]), self.where, self._max)
-            if len(self._in) < HEADER_BYTES + length:
-                return
-            body = bytes(self._in[HEADER_BYTES : HEADER_BYTES + length])
-            del self._in[: HEADER_BYTES + length]
-            p = self._pending.popleft()
-            try:
-                p.future.set_result(open_reply(body, p.nonce, self._secret, self.where))
-            except SideChannelError as exc:
-                p.future.set_exception(exc)
-        if self._in and not self._pending:
-            self.close(SideChannelError(f"peer at {self.where} sent a reply nobody asked for"))
+        """Hand the oldest request its reply once the buffer holds it whole."""
+        want = self._lacking()
+        if want is None or want > 0:
+            return
+        body = bytes(self._in[HEADER_BYTES:])
+        self._in.clear()
+        p = self._pending.popleft()
+        try:
+            p.future.set_result(open_reply(body, p.nonce, self._secret, self.where))
+        except SideChannelError as exc:
+            p.future.set_exception(exc)
 
     def _expire(self, now: float) -> None:
         if self._pending and self._pending[0].deadline <= now:
