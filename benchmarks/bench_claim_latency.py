@@ -48,7 +48,7 @@ def _claim(target: attacks.TargetProcess) -> bytes:
     rid = sorted(target.requests)[0]
     message = protocol.Claim(
         protocol.PROTOCOL_VERSION, "bench-decode", [rid], 30.0, token="bench-reader",
-        block_ids={rid: target.requests[rid]},
+        block_ids={rid: [protocol.pack_ids(ids) for ids in target.requests[rid]]},
     )  # fmt: skip
     return protocol.encode(message)
 

@@ -253,7 +253,7 @@ def _claim(source, token: str, blocks: list[list[int]], request_id: str = "req-a
         [request_id],
         5.0,
         token=token,
-        block_ids={request_id: blocks},
+        block_ids={request_id: [protocol.pack_ids(ids) for ids in blocks]},
     )
     return protocol.decode(
         ask("127.0.0.1", source.port, protocol.encode(claim), 5.0, engine_id="prefill-x")
@@ -298,7 +298,14 @@ def test_a_claim_must_name_exactly_the_blocks_the_request_holds(source):
     for order, first in (([6, 5, 4], 0), ([4, 6, 5], 1), ([5, 6, 4], 0)):
         why = _claim(source, "c" * 32, [order]).refused["req-a"]
         assert "in their order" in why and f"the first {first}:" in why, why
-    assert "out of range" in _claim(source, "c" * 32, [[4, 5, (1 << 64) - 1]]).refused["req-a"]
+    # ids that are not whole 4-byte ids, and 2**32 - 1 where a block is held
+    claim = protocol.Claim(protocol.PROTOCOL_VERSION, "decode-1", ["req-a"], 5.0, token="c" * 32,
+                           block_ids={"req-a": [b"\x04\x00\x00\x00\x05"]})  # fmt: skip
+    reply = protocol.decode(ask("127.0.0.1", source.port, protocol.encode(claim), 5.0,
+                                engine_id="prefill-x"))  # fmt: skip
+    assert "not a whole number of ids" in reply.refused["req-a"]
+    top = _claim(source, "c" * 32, [[4, 5, (1 << 32) - 1]])
+    assert "names block 4294967295" in top.refused["req-a"]
     reply = _claim(source, "c" * 32, [[4], [5]])
     assert "names 2 group(s) of blocks, prefill holds 1" in reply.refused["req-a"]
     # A refused claim took nothing: the right claim still gets the blocks.
@@ -316,7 +323,7 @@ def test_one_claim_for_several_requests_binds_each_to_its_own_reader(source):
         ["req-a", "req-b"],
         5.0,
         tokens={"req-a": "a" * 32, "req-b": "b" * 32},
-        block_ids={"req-a": [[4, 5, 6]], "req-b": [[7, 8]]},
+        block_ids={"req-a": [protocol.pack_ids([4, 5, 6])], "req-b": [protocol.pack_ids([7, 8])]},
     )
     reply = protocol.decode(
         ask("127.0.0.1", source.port, protocol.encode(claim), 5.0, engine_id="prefill-x")
@@ -401,7 +408,8 @@ def test_claiming_again_never_holds_a_request_past_its_first_claims_bound():
     try:
         made.hold("req-a", block_ids=[[4, 5, 6]])
         claim = protocol.Claim(protocol.PROTOCOL_VERSION, "decode-1", ["req-a"], 0.5,
-                               token="p" * 32, block_ids={"req-a": [[4, 5, 6]]})  # fmt: skip
+                               token="p" * 32,
+                               block_ids={"req-a": [protocol.pack_ids([4, 5, 6])]})  # fmt: skip
         payload = protocol.encode(claim)
         first = time.monotonic()
         expired: set[str] = set()

@@ -29,6 +29,7 @@ from kvshare_connector.devtools.demo import (
 from kvshare_connector.layout import verification
 from kvshare_connector.layout.verification import compare, remote_ids_of
 from kvshare_connector.transfer import claims as claims_module
+from kvshare_connector.transfer import protocol
 from kvshare_connector.transfer.nixl import NixlTransport
 from kvshare_connector.transfer.settings import EngineSettings
 from kvshare_connector.transfer.sink import KVSink
@@ -617,7 +618,9 @@ def test_a_reordered_read_past_prefills_check_fails_by_position(
 
         def in_order(orders, verify_, claim=claim, original=original):
             sent = claim(orders, verify_)
-            sent.block_ids = {rid: [list(ids) for ids in original] for rid in sent.block_ids}
+            sent.block_ids = {
+                rid: [protocol.pack_ids(ids) for ids in original] for rid in sent.block_ids
+            }
             return sent
 
         monkeypatch.setattr(decode.sink.claims, "_claim", in_order)
@@ -625,7 +628,9 @@ def test_a_reordered_read_past_prefills_check_fails_by_position(
 
             def relabelled(p, digests, check=claims_module._check_digested):
                 if digests is not None:
-                    digests.block_ids = [[b for b in ids if b] for ids in p.remote_block_ids]
+                    digests.block_ids = [
+                        protocol.pack_ids([b for b in ids if b]) for ids in p.remote_block_ids
+                    ]
                 check(p, digests)
 
             monkeypatch.setattr(claims_module, "_check_digested", relabelled)

@@ -136,8 +136,10 @@ class Claims:
             [o.params.remote_request_id for o in orders],
             self.settings.transfer_timeout_s + 5,
             tokens={o.params.remote_request_id: o.token for o in orders},
-            block_ids={  # all that prefill holds for each
-                o.params.remote_request_id: [list(b) for b in o.params.remote_block_ids]
+            block_ids={  # all that prefill holds for each, in the request's order
+                o.params.remote_request_id: [
+                    protocol.pack_ids(b) for b in o.params.remote_block_ids
+                ]
                 for o in orders
             },
             packed=self.packed,
@@ -175,7 +177,11 @@ def _check_digested(p: kv_params.RemotePrefillParams, digests: protocol.KVDigest
             "verify_kv must be on for prefill too"
         )
     told = [remote_ids_of(p.remote_block_ids, g) for g in range(len(p.remote_block_ids))]
-    if [list(ids) for ids in digests.block_ids] != told:
+    try:
+        digested = [protocol.unpack_ids(ids).tolist() for ids in digests.block_ids]
+    except protocol.ProtocolError:
+        digested = []
+    if digested != told:
         raise VerificationError(
             f"prefill {p.remote_engine_id} digested other blocks, or the same in another "
             f"order, than kv_transfer_params name for request {rid} (a reordered list?)"

@@ -29,6 +29,7 @@ from kvshare_connector.layout.matching import EngineIdentity, LayoutMismatch, pa
 from kvshare_connector.layout.sharding import is_sliced
 from kvshare_connector.layout.topology import KVTopology
 from kvshare_connector.transfer import protocol
+from kvshare_connector.transfer.kv_params import RemotePrefillParams
 from kvshare_connector.transfer.nixl import NixlTransport
 from kvshare_connector.transfer.settings import EngineSettings
 from kvshare_connector.transfer.side_channel import SideChannelError
@@ -318,6 +319,25 @@ class Peers:
                 f"engine {protocol.PROTOCOL_VERSION}"
             )
         return reply
+
+    def release(self, key: Key, params: RemotePrefillParams, token: str, reason: str) -> None:
+        """Ask prefill at ``key`` to free a request decode gives up on before reading it
+        (on the caller's thread: ``submit`` it). Best effort: its lease frees it anyway."""
+        rid = params.remote_request_id
+        release = protocol.Release(protocol.PROTOCOL_VERSION, self.engine_id, [rid],
+                                   reason[: protocol.MAX_REASON_CHARS], token)  # fmt: skip
+        try:
+            reply = self.ask(key, params.remote_engine_id, release)
+        except (SideChannelError, protocol.ProtocolError) as exc:
+            why = str(exc)
+        else:
+            if isinstance(reply, protocol.ClaimReply) and rid in reply.gone:
+                return
+            refused = reply.refused if isinstance(reply, protocol.ClaimReply) else {}
+            why = refused.get(rid) or repr(reply)
+        logger.warning(
+            "could not ask prefill %s to free request %s: %s", params.remote_engine_id, rid, why
+        )
 
     def evict(self, host: str, port: int, error: Exception) -> None:
         """``key`` failed: drop its NIXL peer and queued asks; ask again after ``retry_s``."""

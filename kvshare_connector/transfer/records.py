@@ -4,7 +4,7 @@ them, stats and the read log serialise them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # A read's phases, in order (``TransferRecord.timeline``: seconds since the order came):
 # asked: the first claim left (the handshake and lane probe before it, when new);
@@ -56,6 +56,13 @@ class TransferRecord:
     # "digest_plan" and "scatter_plan" (made while the claim was out; the scatter's at the
     # post when prefill packed another size than planned)
     landing_host: dict[str, float] = field(default_factory=dict)
+
+    def reported(self, created: float | None, now: float) -> TransferRecord:
+        """This record with the moment the engine learned of it (``now``, monotonic) on its
+        timeline, counted from the read's creation."""
+        if created is None:
+            return self
+        return replace(self, timeline={**self.timeline, "reported": round(now - created, 6)})
 
 
 @dataclass(frozen=True)

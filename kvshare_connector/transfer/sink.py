@@ -42,7 +42,6 @@ from kvshare_connector.transfer.reads import Phase, Plan, Read, ReadOrder, Trans
 from kvshare_connector.transfer.records import LaneReport, SinkProgress, TransferRecord
 from kvshare_connector.transfer.settings import EngineSettings
 from kvshare_connector.transfer.side_channel import (
-    SideChannelError,
     destination,
     warn_if_no_secret,
 )
@@ -152,7 +151,7 @@ class KVSink:
         """``poll``, with what finished reads and lane probes recorded since the last call."""
         done, failed = self.poll(spin_s)
         now = time.monotonic()
-        records = [_reported(r, self._created.pop(r.request_id, None), now) for r in self.records]
+        records = [r.reported(self._created.pop(r.request_id, None), now) for r in self.records]
         counters = dict(self.counters)
         self.records, self.counters = [], Counter()
         return SinkProgress(done, failed, records, self.take_lanes(), counters)
@@ -287,7 +286,7 @@ class KVSink:
         p = read.order.params
         if not any(read.order.local_ids):  # e.g. a full local prefix-cache hit: free prefill
             reason = "decode holds the whole prompt already (nothing to read)"
-            self.peers.submit((p.remote_host, p.remote_port), self._ask_release, read, reason)
+            self._release(read, reason)
             self.records.append(TransferRecord(read.request_id, 0, 0, 0, 0.0))
             return True
         peer = self.peers.get(p.remote_host, p.remote_port, p.remote_engine_id)
@@ -475,41 +474,17 @@ class KVSink:
             # failed), maybe at first contact, when no UCX connection exists yet to carry a
             # notification: ask over the side channel, which answers. (A prefill that
             # cannot be reached is left to its lease.)
-            self.peers.submit(key, self._ask_release, read, f"{type(error).__name__}: {error}")
+            self._release(read, f"{type(error).__name__}: {error}")
         return released
 
-    def _ask_release(self, read: Read, reason: str) -> None:
-        """Best effort: prefill's lease frees the blocks anyway if this does not arrive."""
+    def _release(self, read: Read, reason: str) -> None:
+        """Ask prefill, on its own thread, to free the request's blocks (best effort: its
+        lease frees them anyway)."""
         p = read.order.params
-        release = protocol.Release(
-            protocol.PROTOCOL_VERSION,
-            self.engine_id,
-            [p.remote_request_id],
-            reason[: protocol.MAX_REASON_CHARS],
-            read.order.token,
-        )
-        rid = p.remote_request_id
-        try:
-            reply = self.peers.ask((p.remote_host, p.remote_port), p.remote_engine_id, release)
-        except (SideChannelError, protocol.ProtocolError) as exc:
-            why = str(exc)
-        else:
-            if isinstance(reply, protocol.ClaimReply) and rid in reply.gone:
-                return
-            refused = reply.refused if isinstance(reply, protocol.ClaimReply) else {}
-            why = refused.get(rid) or repr(reply)
-        logger.warning(
-            "could not ask prefill %s to free request %s: %s", p.remote_engine_id, rid, why
-        )
+        key = (p.remote_host, p.remote_port)
+        self.peers.submit(key, self.peers.release, key, p, read.order.token, reason)
 
     def close(self) -> None:
         self.lander.close()
         self.peers.close()
         self.transport.close()
-
-
-def _reported(record: TransferRecord, created: float | None, now: float) -> TransferRecord:
-    """The record with the moment the engine learned of it on its timeline."""
-    if created is None:
-        return record
-    return replace(record, timeline={**record.timeline, "reported": round(now - created, 6)})

@@ -12,7 +12,6 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,10 +23,11 @@ from kvshare_connector.layout.staging import PackedLayout
 from kvshare_connector.layout.topology import KVTopology
 from kvshare_connector.transfer import protocol
 from kvshare_connector.transfer.digests import Digester, PendingDigests
+from kvshare_connector.transfer.held import Held, Packed, digest_msgs, order_difference, over_caps
 from kvshare_connector.transfer.lanes import LaneInfo
 from kvshare_connector.transfer.nameplate import NAMEPLATE_BYTES, Nameplate
 from kvshare_connector.transfer.nixl import NixlTransport
-from kvshare_connector.transfer.packing import Copy, Packer
+from kvshare_connector.transfer.packing import Packer
 from kvshare_connector.transfer.probe import ProbeBuffer
 from kvshare_connector.transfer.settings import EngineSettings
 from kvshare_connector.transfer.side_channel import (
@@ -44,29 +44,6 @@ EARLY_MEMORY = 4096  # done/abort/releases of requests not held yet (decode was 
 MAX_CLAIM_HOLD_S = 90.0  # a claim extends a lease by at most this (or the lease, if longer)
 # A request's blocks are held at most lease + MAX_CLAIM_HOLD_S: its first claim fixes how long
 # its reader may take, and claiming again (a retry, TP's other ranks) never extends that.
-
-
-@dataclass
-class _Packed:
-    slot: int  # offset in the staging area
-    nbytes: int
-    device_id: int
-    copy: Copy  # the gather, possibly still running
-
-
-@dataclass
-class _Held:
-    """One request whose blocks prefill keeps for decode."""
-
-    deadline: float  # monotonic: freed then unless decode read it
-    since: float  # monotonic: when it was held
-    # held block ids per group, exactly as kv_transfer_params list them (None: a tool's hold)
-    blocks: list[np.ndarray] | None
-    reader: str | None = None  # claim token of its one reader, once claimed
-    claim_bound: float = 0.0  # monotonic: set by the first claim, no claim holds past it
-    readers_left: int = 1  # TP: decode ranks (sharing the token) still to say done
-    packed: _Packed | None = None  # where it was gathered, with packed transfer
-    digests: tuple[list[list[int]], PendingDigests] | None = None  # verify_kv
 
 
 class KVSource:
@@ -124,7 +101,7 @@ class KVSource:
         self._reply: bytes | None = None  # handed out once the nameplate is written
         # The side channel thread (claims) and the engine thread (hold/poll) share these.
         self._lock = threading.Lock()
-        self._held: dict[str, _Held] = {}
+        self._held: dict[str, Held] = {}
         self._early: OrderedDict[str, float] = OrderedDict()  # read before held: deadline
         self._freed: set[str] = set()  # done with since the last poll: free their blocks
         # Recently freed requests (bounded by count, not time: a late decode may come much
@@ -189,7 +166,7 @@ class KVSource:
                 f"protocol version {message.protocol_version} not supported (this engine "
                 f"speaks {protocol.PROTOCOL_VERSION})"
             )
-        too_big = _over_caps(message)
+        too_big = over_caps(message)
         if too_big:
             return self._error(too_big)
         if isinstance(message, protocol.Claim):
@@ -211,7 +188,7 @@ class KVSource:
         arrived = time.monotonic()
         hold_s = min(max(claim.hold_s, 0.0), max(self.lease_s, MAX_CLAIM_HOLD_S))
         held, gone, refused = [], [], {}
-        packs: dict[str, _Packed] = {}
+        packs: dict[str, Packed] = {}
         digests: dict[str, tuple[list[list[int]], PendingDigests]] = {}
         ages: dict[str, float] = {}
         with self._lock:
@@ -250,7 +227,7 @@ class KVSource:
                 packed[request_id] = protocol.PackedRef(
                     self.packer.staging.addr + pack.slot, pack.nbytes, pack.device_id
                 )
-            answer = protocol.ClaimReply(held, gone, refused, packed, _digest_msgs(digests), ages,
+            answer = protocol.ClaimReply(held, gone, refused, packed, digest_msgs(digests), ages,
                                          round(time.monotonic() - arrived, 6))  # fmt: skip
             if held:
                 failpoint("source.claim_answered")
@@ -262,7 +239,7 @@ class KVSource:
         return reply if waits else reply()
 
     def _refusal(
-        self, request_id: str, record: _Held, claim: protocol.Claim, token: str
+        self, request_id: str, record: Held, claim: protocol.Claim, token: str
     ) -> str | None:
         """Why ``claim`` (its reader's ``token``) may not read held ``request_id``, or None.
         Caller holds the lock."""
@@ -291,7 +268,7 @@ class KVSource:
                 f"{len(record.blocks)}"
             )
         for group, (ids, own) in enumerate(zip(named, record.blocks, strict=True)):
-            why = _order_difference(ids, own)
+            why = order_difference(ids, own)
             if why:
                 return (
                     f"the claim's block ids of group {group} are not the ones prefill holds "
@@ -346,7 +323,7 @@ class KVSource:
         self._freed.add(request_id)
         return True
 
-    def _forget(self, request_id: str) -> _Held:
+    def _forget(self, request_id: str) -> Held:
         record = self._held.pop(request_id)
         if record.packed is not None and self.packer is not None:
             self.packer.staging.release(record.packed.slot)  # later gathers queue behind it
@@ -373,11 +350,11 @@ class KVSource:
                 return
             lease = self.lease_s if lease_s is None else lease_s
             now = time.monotonic()
-            record = _Held(now + lease, now, None)
+            record = Held(now + lease, now, None)
             self._held[request_id] = record
             if block_ids is None:
                 return
-            record.blocks = [np.asarray(ids, dtype=np.int64) for ids in block_ids]
+            record.blocks = [np.asarray(ids, dtype=np.int64) for ids in block_ids]  # in order
             real = [[int(b) for b in ids if b] for ids in block_ids]  # never the null block
             if self.packer is not None:
                 record.packed = self._pack(request_id, real)
@@ -385,7 +362,7 @@ class KVSource:
                 record.digests = (real, self.digester.start(self.topology, real,
                                                             after_compute=False))  # fmt: skip
 
-    def _pack(self, request_id: str, real: list[list[int]]) -> _Packed | None:
+    def _pack(self, request_id: str, real: list[list[int]]) -> Packed | None:
         """Gather the request into a staging slot (no room: it is read block by block)."""
         assert self.packer is not None
         layout = PackedLayout.of(request_descriptors(self.topology, real))
@@ -400,9 +377,9 @@ class KVSource:
         copy = self.packer.gather(layout.addr, layout.length, slot + layout.offset,
                                   after_compute=False)  # fmt: skip
         device = self.packer.staging.region.device_id
-        return _Packed(slot, layout.nbytes, device, copy)
+        return Packed(slot, layout.nbytes, device, copy)
 
-    def packed_slot(self, request_id: str) -> _Packed | None:
+    def packed_slot(self, request_id: str) -> Packed | None:
         """Where a held request was packed (tests and tools that inspect the staging)."""
         with self._lock:
             record = self._held.get(request_id)
@@ -459,60 +436,3 @@ class KVSource:
     def close(self) -> None:
         self.server.close()
         self.transport.close()
-
-
-def _digest_msgs(
-    digests: dict[str, tuple[list[list[int]], PendingDigests]],
-) -> dict[str, protocol.KVDigests]:
-    """Digests as sent (waits for the device work, done long before a claim comes)."""
-    out = {}
-    for request_id, (block_ids, pending) in digests.items():
-        layers = {name: v.astype("<u8").tobytes() for name, v in pending.result().items()}
-        out[request_id] = protocol.KVDigests(block_ids, layers)
-    return out
-
-
-def _order_difference(named: list[int], held: np.ndarray) -> str | None:
-    """Where the ids a claim names for one group differ from the held ones, or None.
-    Vectorised: a claim may name 2**17 ids, and prefill's engine thread waits on the lock
-    this runs under."""
-    if len(named) != len(held):
-        return f"it names {len(named)}, prefill holds {len(held)}"
-    try:
-        ids = np.asarray(named, dtype=np.int64)
-    except (OverflowError, ValueError, TypeError):
-        return "it names a block id out of range"
-    at = np.flatnonzero(ids != held)
-    if not at.size:
-        return None
-    i = int(at[0])
-    return (
-        f"{at.size} position(s) differ, the first {i}: it names block {int(ids[i])}, prefill "
-        f"holds {int(held[i])} there (a reordered, shifted or foreign list)"
-    )
-
-
-def _over_caps(message: protocol.SideMessage) -> str | None:
-    """Why a message asks for more work than one message may, or None."""
-    ids = getattr(message, "request_ids", [])
-    if len(ids) > protocol.MAX_IDS_PER_MESSAGE:
-        return f"{len(ids)} request ids in one message (at most {protocol.MAX_IDS_PER_MESSAGE})"
-    names = [*ids, getattr(message, "engine_id", ""), getattr(message, "token", "")]
-    if isinstance(message, protocol.Claim):
-        if not set(message.tokens) <= set(ids):
-            return "claim tokens for requests the claim does not name"
-        names.extend(message.tokens.values())
-    if isinstance(message, protocol.Hello):
-        names.append(message.expect_engine_id or "")
-    if any(len(n) > protocol.MAX_ID_CHARS for n in names):
-        return f"an id longer than {protocol.MAX_ID_CHARS} characters"
-    if isinstance(message, protocol.Release) and len(message.reason) > protocol.MAX_REASON_CHARS:
-        return f"a release reason longer than {protocol.MAX_REASON_CHARS} characters"
-    if isinstance(message, protocol.Claim):
-        blocks = sum(len(g) for ids in message.block_ids.values() for g in ids)
-        if blocks > protocol.MAX_BLOCK_IDS_PER_MESSAGE or len(message.block_ids) > len(ids):
-            return (
-                f"a claim naming {blocks} block ids of {len(message.block_ids)} request(s) "
-                f"(at most {protocol.MAX_BLOCK_IDS_PER_MESSAGE}, of the claimed requests)"
-            )
-    return None
