@@ -4,6 +4,9 @@ The names are vLLM NixlConnector's, so existing PD proxies pass them on unchange
 takes them from whoever sent the request, so every field is checked before anything
 connects anywhere: a host that is not a host name or address, ids that are too long or
 hold control characters, negative or absurd counts are refused with the field named.
+Patterns match whole strings (``fullmatch``: ``$`` would pass a final newline), and a
+host is one that names a single machine the same way everywhere: no unspecified,
+multicast or scoped address, and no name a resolver would read as a number instead.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import re
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,13 +23,14 @@ import numpy as np
 
 from kvshare_connector.transfer.protocol import MAX_BLOCK_IDS_PER_MESSAGE, MAX_ID_CHARS, MAX_TP
 
-_HOSTNAME = re.compile(
-    r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9])?"
-    r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9])?)*\.?$"
-)
-_PRINTABLE = re.compile(r"^[\x21-\x7e]+$")  # visible ASCII, no spaces or control characters
-_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+# Whole-string patterns, used with ``fullmatch`` only.
+_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
+_PRINTABLE = re.compile(r"[\x21-\x7e]+")  # visible ASCII, no spaces or control characters
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+MAX_HOST_CHARS = 253
 MAX_TOKENS = 1 << 24  # a prompt length beyond any model's context
+MAX_BLOCK_ID = (1 << 31) - 1  # vLLM's block tables hold int32 block ids
 
 
 class KVTransferParamsError(ValueError):
@@ -147,22 +152,57 @@ def remote_prefill_params(params: Any) -> RemotePrefillParams:
             f"rank r serves on remote_port + r)"
         )
     for group, ids in enumerate(parsed.remote_block_ids):
-        if any(b < 0 for b in ids):
+        if ids and not 0 <= min(ids) <= max(ids) <= MAX_BLOCK_ID:
+            worst = min(ids) if min(ids) < 0 else max(ids)
             raise KVTransferParamsError(
-                f"kv_transfer_params: negative block id {min(ids)} - at "
-                f"`$.remote_block_ids[{group}]`"
+                f"kv_transfer_params: block id {worst} not in [0, {MAX_BLOCK_ID}] (vLLM's "
+                f"block tables hold int32) - at `$.remote_block_ids[{group}]`"
             )
     _check_fields(parsed)
     return parsed
 
 
-def valid_host(host: str) -> bool:
-    """A host name or an IP address (what a side channel can be reached at)."""
+def host_problem(host: str) -> str | None:
+    """Why ``host`` is not one machine's host name or IP address, or None.
+
+    Refused: what is not one host (``0.0.0.0`` and ``::`` connect to this machine on
+    Linux, multicast and broadcast reach many), a scoped IPv6 address (its zone is free
+    text), and what is neither an address in the strict form ``ipaddress`` accepts nor a
+    host name: ``999999``, ``0x7f000001``, ``010.0.0.1`` (which inet_aton, hence
+    getaddrinfo, reads as an address of its own) and ``256.1.1.1`` (a name's last label
+    is never all digits, RFC 3696), so the allow-list and the peer see the same host."""
+    if not 0 < len(host) <= MAX_HOST_CHARS:
+        return f"length {len(host)} not in [1, {MAX_HOST_CHARS}]"
+    if not _PRINTABLE.fullmatch(host):
+        return "holds spaces or control characters"
+    if "%" in host:
+        return "a scoped IPv6 address (its zone is free text): name the host or its address"
     try:
-        ipaddress.ip_address(host)
-        return True
+        address = ipaddress.ip_address(host)
     except ValueError:
-        return bool(_HOSTNAME.match(host))
+        address = None
+    if address is not None:
+        if address.is_unspecified:
+            return "the unspecified address (any interface), not one host"
+        if address.is_multicast or address == ipaddress.IPv4Address("255.255.255.255"):
+            return "a multicast or broadcast address, not one host"
+        return None
+    if not _HOSTNAME.fullmatch(host):
+        return "not a host name or IP address"
+    try:
+        number = socket.inet_aton(host)
+    except OSError:
+        number = None
+    if number is not None:
+        return f"not an IP address, yet resolvers read it as {socket.inet_ntoa(number)}"
+    if host.rstrip(".").rsplit(".", 1)[-1].isdigit():
+        return "not an IP address, and a host name's last label is never all digits"
+    return None
+
+
+def valid_host(host: str) -> bool:
+    """A host name or an IP address of one machine (what a side channel is reached at)."""
+    return host_problem(host) is None
 
 
 def _check_fields(p: RemotePrefillParams) -> None:
@@ -171,13 +211,14 @@ def _check_fields(p: RemotePrefillParams) -> None:
     def bad(field: str, why: str) -> KVTransferParamsError:
         return KVTransferParamsError(f"kv_transfer_params: {why} - at `$.{field}`")
 
-    if not valid_host(p.remote_host):
-        raise bad("remote_host", f"not a host name or IP address: {p.remote_host[:80]!r}")
+    why = host_problem(p.remote_host)
+    if why is not None:
+        raise bad("remote_host", f"{why}: {p.remote_host[:80]!r}")
     for name in ("remote_engine_id", "remote_request_id"):
         value = getattr(p, name)
         if not 0 < len(value) <= MAX_ID_CHARS:
             raise bad(name, f"length {len(value)} not in [1, {MAX_ID_CHARS}]")
-        if not _PRINTABLE.match(value):
+        if not _PRINTABLE.fullmatch(value):
             raise bad(name, f"holds spaces or control characters: {value[:80]!r}")
     blocks = sum(len(ids) for ids in p.remote_block_ids)
     if blocks > MAX_BLOCK_IDS_PER_MESSAGE:
@@ -187,5 +228,5 @@ def _check_fields(p: RemotePrefillParams) -> None:
         if value is not None and not 0 <= value <= MAX_TOKENS:
             raise bad(name, f"{value} not in [0, {MAX_TOKENS}]")
     digest = p.remote_prompt_digest
-    if digest is not None and not _DIGEST.match(digest):
-        raise bad("remote_prompt_digest", "not a SHA-256 hex digest")
+    if digest is not None and not _DIGEST.fullmatch(digest):
+        raise bad("remote_prompt_digest", f"not a SHA-256 hex digest: {digest[:80]!r}")
