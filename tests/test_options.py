@@ -85,7 +85,7 @@ def test_prefill_shortens_the_switch_interval_but_never_lengthens_it(monkeypatch
         ({"staging_mib": -1}, "staging_mib must be 0 or more"),
         ({"transfer_timeout_s": float("nan")}, "transfer_timeout_s must be greater than 0"),
         ({"ucx_lane": "fast"}, "ucx_lane must be one of ('auto', 'off')"),
-        ({"allowed_prefills": [""]}, "allowed_prefills must be a list of host or host:port"),
+        ({"allowed_prefills": [""]}, "allowed_prefills.0. '': empty"),
         ({"allowed_prefills": 5}, "allowed_prefills must be a list"),
         ({"lmcache": "lm://h:1"}, "lmcache must be an object"),
         ({"read_log": 3}, "read_log must be a string"),
@@ -120,3 +120,53 @@ def test_the_option_table_covers_every_field():
     assert rows[[r[0] for r in rows].index("side_channel_secret")][2] == (
         "KVSHARE_SIDE_CHANNEL_SECRET"
     )
+
+
+# Issue 46 item 10: on ff795fd each of these was accepted (stripped, or kept as a string
+# that never matches), or, for ``[]``, taken for "no allow-list": every prefill allowed.
+@pytest.mark.parametrize(
+    ("entries", "message"),
+    [
+        (["10.0.0.9\n"], "allowed_prefills[0] '10.0.0.9\\n': empty, or holds spaces or control"),
+        (["ok:5600", " 10.0.0.9"], "allowed_prefills[1] ' 10.0.0.9': empty, or holds spaces"),
+        (["10.0.0.9:5600\n"], "allowed_prefills[0] '10.0.0.9:5600\\n': empty, or holds"),
+        (["0.0.0.0"], "'0.0.0.0': host '0.0.0.0': the unspecified address"),
+        (["[::]:5600"], "'[::]:5600': host '::': the unspecified address"),
+        (["256.1.1.1:5600"], "host '256.1.1.1': not an IP address, and a host name's last"),
+        (["999999"], "host '999999': not an IP address, yet resolvers read it as 0.15.66.63"),
+        (["0x7f000001:5600"], "host '0x7f000001': not an IP address, yet resolvers read it as"),
+        (["*"], "host '*': not a host name or IP address"),
+        (["10.0.0.9:99999"], "'10.0.0.9:99999': port 99999 not in [1, 65535]"),
+        (["10.0.0.9:0"], "'10.0.0.9:0': port 0 not in [1, 65535]"),
+        (["10.0.0.9:5601-5600"], "ports 5601-5600 not a span within [1, 65535]"),
+        (["10.0.0.9:http"], "port 'http' is not a number or first-last"),
+        (["tcp://10.0.0.9:5600"], "allowed_prefills[0] 'tcp://10.0.0.9:5600'"),
+        (["[prefill]:5600"], "brackets hold an IPv6 address only"),
+        ([], "allowed_prefills must be a list of host:port, host:first-last or host strings"),
+        ([5600], "allowed_prefills[0] 5600: not a string"),
+    ],
+)
+def test_an_allow_list_entry_that_is_not_one_is_refused_by_name(entries, message):
+    with pytest.raises(OptionError) as caught:
+        ConnectorOptions.parse({"allowed_prefills": entries}, environ={})
+    assert message in str(caught.value)
+    assert str(caught.value).startswith("kv_connector_extra_config.allowed_prefills")
+
+
+def test_allow_list_entries_are_kept_as_written():
+    entries = ["prefill-0.pd.svc:5600", "[::1]:5600-5601", "::1", "127.0.0.1:5600", "LocalHost"]
+    o = ConnectorOptions.parse({"allowed_prefills": entries}, environ={})
+    assert o.allowed_prefills == tuple(entries)
+
+
+def test_an_entry_without_a_port_is_warned_about_once(caplog, monkeypatch):
+    from kvshare_connector.backends import options
+
+    monkeypatch.setattr(options, "_WARNED_EVERY_PORT", set())
+    with caplog.at_level(logging.WARNING, logger="vllm.kvshare"):
+        for _ in range(2):
+            ConnectorOptions.parse({"allowed_prefills": ["10.9.8.7", "10.9.8.6:5600"]}, {})
+    (record,) = [r for r in caplog.records if "allowed_prefills" in r.getMessage()]
+    text = record.getMessage()
+    assert "allowed_prefills[0] '10.9.8.7' has no port: decode may connect to every port" in text
+    assert "write 10.9.8.7:PORT (that port and the 63 after it" in text

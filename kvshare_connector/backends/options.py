@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvshare_connector.common.log import get_logger
+from kvshare_connector.transfer.settings import AllowedPrefill, AllowListError
 
 logger = get_logger(__name__)
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+_WARNED_EVERY_PORT: set[str] = set()  # allow-list entries without a port, warned once each
 
 
 def _option(default: Any, help: str, env: str | None = None) -> Any:
@@ -59,8 +61,13 @@ class ConnectorOptions:
                                           "loopback without a secret.",
                                           "KVSHARE_SIDE_CHANNEL_INSECURE")
     allowed_prefills: tuple[str, ...] | None = _option(None, "Decode: the only prefill side "
-                                                       "channels it may connect to "
-                                                       "(`host` or `host:port` each).")
+                                                       "channels it may connect to, each "
+                                                       "`host:port` (that port and the 63 "
+                                                       "after it, where a TP prefill's "
+                                                       "ranks serve), `host:first-last`, "
+                                                       "or `host` (every port: warned). "
+                                                       "Hosts compared as written, not "
+                                                       "resolved (docs/configuration.md).")
     ucx_lane: str = _option("auto", "`auto`: set UCX's fast-lane settings before NIXL starts "
                             "(your own UCX_* values win); `off`: leave UCX's defaults.",
                             "KVSHARE_UCX_LANE")
@@ -196,12 +203,7 @@ def _convert(name: str, raw: Any, source: str) -> Any:
             raise OptionError(f"{source} must be one of {_CHOICES[name]}, got {raw!r}")
         return raw
     if name == "allowed_prefills":
-        items = [raw] if isinstance(raw, str) else raw
-        if not isinstance(items, list | tuple) or not all(
-            isinstance(i, str) and i.strip() for i in items
-        ):
-            raise OptionError(f"{source} must be a list of host or host:port strings")
-        return tuple(i.strip() for i in items)
+        return _allow_list(raw, source)
     if name == "lmcache":
         if not isinstance(raw, Mapping):
             raise OptionError(f"{source} must be an object, got {type(raw).__name__}")
@@ -213,3 +215,26 @@ def _convert(name: str, raw: Any, source: str) -> Any:
     if raw is None or isinstance(raw, str):  # side_channel_secret, read_log
         return raw or None
     raise OptionError(f"{source} must be a string, got {type(raw).__name__}")
+
+
+def _allow_list(raw: Any, source: str) -> tuple[str, ...]:
+    """The ``allowed_prefills`` entries, each checked (``transfer.settings.AllowedPrefill``);
+    one without a port is warned about once per process: it admits every port of its host,
+    so on a shared host any process listening there passes for a prefill."""
+    items = [raw] if isinstance(raw, str) else raw
+    if not isinstance(items, list | tuple) or not items:
+        raise OptionError(f"{source} must be a list of host:port, host:first-last or host strings")
+    for i, item in enumerate(items):
+        try:
+            entry = AllowedPrefill.parse(item)
+        except AllowListError as exc:
+            raise OptionError(f"{source}[{i}] {exc}") from None
+        if entry.every_port and item not in _WARNED_EVERY_PORT:
+            _WARNED_EVERY_PORT.add(item)
+            logger.warning(
+                "%s[%d] %r has no port: decode may connect to every port of %s, where any "
+                "process listening can pose as a prefill; write %s:PORT (that port and the "
+                "63 after it, a TP prefill's ranks) or %s:FIRST-LAST",
+                source, i, item, item, item, item,
+            )  # fmt: skip
+    return tuple(items)
