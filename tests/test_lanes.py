@@ -18,7 +18,12 @@ from kvshare_connector.transfer.records import LaneReport
 
 @pytest.fixture(autouse=True)
 def _forget_applied(monkeypatch):
+    """No lane variable set by an earlier in-process engine of this pytest process (its
+    loopback prefill leaves UCX_NET_DEVICES=lo here), restored afterwards."""
     monkeypatch.setattr(lanes, "_APPLIED", {})
+    for key in (GET_ZCOPY, RMA_PPLN, "UCX_NET_DEVICES"):
+        monkeypatch.setenv(key, "")  # remembers the value to restore, or that there was none
+        monkeypatch.delenv(key)
 
 
 def test_gpu_memory_gets_cuda_ipc_get_zero_copy():
@@ -58,6 +63,81 @@ def test_what_this_process_set_is_not_taken_for_the_users():
     again = lanes.plan_lane({"VRAM"}, vmm=False, environ=environ)
     assert again.chosen == {GET_ZCOPY: "y"} and again.kept == {}
     assert lanes.effective(environ) == {GET_ZCOPY: "y"}
+
+
+NET_DEVICES = "UCX_NET_DEVICES"
+
+
+def reach(loopback: bool) -> lanes.Reach:
+    return (
+        lanes.Reach(True, "side channel on 127.0.0.1")
+        if loopback
+        else (lanes.Reach(False, "side channel on 10.0.0.5"))
+    )
+
+
+def test_a_loopback_side_channel_keeps_ucx_on_loopback():
+    """Issue 46 item 11: UCX's network devices follow the side channel's reach."""
+    on_lo = reach(True)
+    plan = lanes.plan_lane({"DRAM"}, vmm=False, environ={}, reach=on_lo)
+    assert plan.chosen == {NET_DEVICES: lanes.loopback_device()}
+    assert lanes.loopback_device() == "lo"  # Linux's name; found by its IFF_LOOPBACK flag
+    assert plan.describe() == (
+        "UCX_NET_DEVICES=lo (side channel on 127.0.0.1: UCX on loopback only)"
+    )
+    environ: dict[str, str] = {}
+    lanes.apply(lanes.plan_lane({"VRAM"}, vmm=False, environ=environ, reach=on_lo), environ)
+    assert lanes.effective(environ) == {GET_ZCOPY: "y", NET_DEVICES: "lo"}  # the lane report's
+
+
+def test_where_ucx_is_not_restricted_the_plan_says_where_it_listens_and_why():
+    on_lo, off_lo = reach(True), reach(False)
+    beyond = lanes.plan_lane({"DRAM"}, vmm=False, environ={}, reach=off_lo)
+    assert beyond.chosen == {}
+    assert beyond.describe() == (
+        "UCX defaults; UCX listens on every network device (side channel on 10.0.0.5)"
+    )
+    off = lanes.plan_lane({"VRAM"}, vmm=False, environ={}, mode="off", reach=on_lo)
+    assert off.chosen == {} and "every network device (ucx_lane off; side channel on" in (
+        off.describe()
+    )
+    yours = lanes.plan_lane({"DRAM"}, vmm=False, environ={NET_DEVICES: "eth0"}, reach=on_lo)
+    assert yours.chosen == {} and yours.describe() == "UCX_NET_DEVICES=eth0 (yours, kept)"
+    # Without a reach (``kvshare lane``, the benchmarks), nothing is said or set.
+    assert lanes.plan_lane({"DRAM"}, vmm=False, environ={}).describe() == "UCX defaults"
+
+
+def test_a_later_plan_unsets_what_this_process_set_for_an_earlier_one():
+    """A prefill and a decode agent in one process (tests): the decode that may reach any
+    host does not inherit the prefill's loopback restriction."""
+    on_lo, off_lo = reach(True), reach(False)
+    environ: dict[str, str] = {}
+    lanes.apply(lanes.plan_lane({"DRAM"}, vmm=False, environ=environ, reach=on_lo), environ)
+    assert environ == {NET_DEVICES: "lo"}
+    lanes.apply(lanes.plan_lane({"DRAM"}, vmm=False, environ=environ, reach=off_lo), environ)
+    assert environ == {}
+    mine = {NET_DEVICES: "ib0"}  # the user's own value is never unset
+    lanes.apply(lanes.plan_lane({"DRAM"}, vmm=False, environ=mine, reach=off_lo), mine)
+    assert mine == {NET_DEVICES: "ib0"}
+
+
+@pytest.mark.parametrize(
+    ("serves", "connects", "loopback", "why"),
+    [
+        ("127.0.0.1", (), True, "side channel on 127.0.0.1"),
+        ("localhost", (), True, "side channel on localhost"),
+        ("::1", (), True, "side channel on ::1"),
+        ("192.0.2.2", (), False, "side channel on 192.0.2.2"),
+        (None, ("127.0.0.1", "localhost"), True, "every allowed prefill on loopback"),
+        (None, None, False, "allowed_prefills unset: decode may reach a prefill on any host"),
+        (None, ("127.0.0.1", "10.0.0.5"), False, "allowed_prefills names 10.0.0.5"),
+        ("127.0.0.1", ("::1",), True, "side channel on 127.0.0.1 and every allowed prefill"),
+        ("127.0.0.1", None, False, "allowed_prefills unset"),  # kv_both, any prefill
+    ],
+)
+def test_the_side_channels_reach(serves, connects, loopback, why):
+    got = lanes.side_channel_reach(serves, connects)
+    assert got.loopback is loopback and got.why.startswith(why)
 
 
 def test_a_slow_gpu_read_is_named_with_its_fix():

@@ -96,7 +96,11 @@ class NixlWorker(WorkerBackend):
         kinds = {r.mem_kind for r in topology.regions}
         ipc = [lanes.legacy_ipc_capable(r.addr) for r in topology.regions if r.mem_kind == "VRAM"]
         kv_ipc_capable = None if not ipc or None in ipc else all(ipc)
-        plan = lanes.plan_lane(kinds, vmm=False in ipc, mode=o.ucx_lane)
+        # UCX listens no further than the side channels reach (loopback: loopback only).
+        reach = lanes.side_channel_reach(
+            c.host if c.produces else None, c.settings().allowed_hosts() if c.consumes else ()
+        )
+        plan = lanes.plan_lane(kinds, vmm=False in ipc, mode=o.ucx_lane, reach=reach)
         lanes.apply(plan)
         transport = NixlTransport(
             f"{c.engine_id}-{c.role}-{uuid.uuid4().hex[:6]}",

@@ -15,6 +15,13 @@ connector sets what gives the fast lane (``plan_lane`` / ``apply``); a user's ow
 value always wins, and ``ucx_lane: off`` leaves UCX's defaults alone. It does not trust
 the choice: decode READs a small probe after each handshake (``transfer.probe``), and
 ``verdict`` names the lane that reached and says how to fix a slow one.
+
+UCX's reach follows the side channel's (``side_channel_reach``): creating an agent opens
+a TCP listener on every network interface (seen: 127.0.0.1 and the host's 192.0.2.2 for
+a prefill whose side channel listens on 127.0.0.1 only). Where every side channel the
+engine serves or may connect to is on loopback, ``UCX_NET_DEVICES`` names the loopback
+interface; otherwise, or with ``ucx_lane: off``, the plan says UCX uses every device, and
+why.
 """
 
 from __future__ import annotations
@@ -25,10 +32,12 @@ import os
 import socket
 from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 RMA_PPLN = "UCX_RMA_PPLN_ENABLE"
-LANE_VARS = (GET_ZCOPY, RMA_PPLN)
+NET_DEVICES = "UCX_NET_DEVICES"
+LANE_VARS = (GET_ZCOPY, RMA_PPLN, NET_DEVICES)
 MODES = ("auto", "off")
 LANE_ENV = "KVSHARE_UCX_LANE"  # the ucx_lane option for tools without kv_connector_extra_config
 SLOW_GBPS = 5.0  # below this a READ of GPU memory is not on a zero-copy or pipelined lane
@@ -36,6 +45,7 @@ SLOW_GBPS = 5.0  # below this a READ of GPU memory is not on a zero-copy or pipe
 _APPLIED: dict[str, str] = {}  # what this process set itself (not the user's)
 
 _CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10
+_IFF_LOOPBACK = 0x8
 
 
 @dataclass(frozen=True)
@@ -45,11 +55,22 @@ class LanePlan:
     chosen: Mapping[str, str] = field(default_factory=dict)
     kept: Mapping[str, str] = field(default_factory=dict)  # user's UCX_* values, untouched
     reasons: Mapping[str, str] = field(default_factory=dict)  # why each chosen one
+    listens: str | None = None  # where UCX listens when the plan does not restrict it
 
     def describe(self) -> str:
         parts = [f"{k}={v} ({self.reasons.get(k, 'chosen')})" for k, v in self.chosen.items()]
         parts += [f"{k}={v} (yours, kept)" for k, v in self.kept.items()]
-        return ", ".join(parts) if parts else "UCX defaults"
+        text = ", ".join(parts) if parts else "UCX defaults"
+        return f"{text}; {self.listens}" if self.listens else text
+
+
+@dataclass(frozen=True)
+class Reach:
+    """Whether every side channel an engine serves or may connect to is on loopback, and
+    what decided it (for the start line)."""
+
+    loopback: bool
+    why: str
 
 
 @dataclass(frozen=True)
@@ -63,9 +84,7 @@ class LaneInfo:
 
 def user_settings(environ: Mapping[str, str]) -> dict[str, str]:
     """The lane variables set by the user (not by ``apply`` in this process)."""
-    return {
-        k: environ[k] for k in LANE_VARS if k in environ and _APPLIED.get(k) != environ[k]
-    }
+    return {k: environ[k] for k in LANE_VARS if k in environ and _APPLIED.get(k) != environ[k]}
 
 
 def effective(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -79,30 +98,90 @@ def plan_lane(
     vmm: bool,
     environ: Mapping[str, str] | None = None,
     mode: str = "auto",
+    reach: Reach | None = None,
 ) -> LanePlan:
     """What to set for memory of ``mem_kinds`` (``VRAM`` / ``DRAM``); ``vmm``: some of it
     is not legacy-IPC capable (kvcached), so blocks read from it unpacked (no staging room,
-    packing off) need UCX's pipelined protocol."""
+    packing off) need UCX's pipelined protocol. ``reach``: the side channels' reach
+    (``side_channel_reach``; None: not known, UCX's devices left alone unsaid)."""
     if mode not in MODES:
         raise ValueError(f"ucx_lane must be one of {MODES}, got {mode!r}")
     environ = os.environ if environ is None else environ
     kept = user_settings(environ)
-    if mode == "off" or "VRAM" not in set(mem_kinds):
-        return LanePlan(kept=kept)
-    wanted = {GET_ZCOPY: ("y", "cuda_ipc GET zero-copy, off by UCX's default without NVLink")}
-    if vmm:
-        wanted[RMA_PPLN] = ("y", "VMM KV memory that cuda_ipc cannot export")
+    wanted: dict[str, tuple[str, str]] = {}
+    listens = None
+    if reach is not None and NET_DEVICES not in kept:
+        if mode == "auto" and reach.loopback:
+            wanted[NET_DEVICES] = (loopback_device(), f"{reach.why}: UCX on loopback only")
+        else:
+            off = "ucx_lane off; " if mode == "off" else ""
+            listens = f"UCX listens on every network device ({off}{reach.why})"
+    if mode == "auto" and "VRAM" in set(mem_kinds):
+        wanted[GET_ZCOPY] = ("y", "cuda_ipc GET zero-copy, off by UCX's default without NVLink")
+        if vmm:
+            wanted[RMA_PPLN] = ("y", "VMM KV memory that cuda_ipc cannot export")
     chosen = {k: v for k, (v, _) in wanted.items() if k not in kept}
     reasons = {k: why for k, (_, why) in wanted.items() if k not in kept}
-    return LanePlan(chosen, kept, reasons)
+    return LanePlan(chosen, kept, reasons, listens)
 
 
 def apply(plan: LanePlan, environ: MutableMapping[str, str] | None = None) -> None:
-    """Set the plan's variables (before the NIXL agent, hence UCX, starts)."""
+    """Set the plan's variables (before the NIXL agent, hence UCX, starts), and unset
+    those this process set for an earlier plan that this one does not choose (a second
+    agent of the process, e.g. a test's decode after its prefill, gets its own plan)."""
     environ = os.environ if environ is None else environ
+    for key, value in list(_APPLIED.items()):
+        if key not in plan.chosen and environ.get(key) == value:
+            del environ[key]
+            del _APPLIED[key]
     for key, value in plan.chosen.items():
         environ[key] = value
         _APPLIED[key] = value
+
+
+def is_loopback_host(host: str) -> bool:
+    """Every address ``host`` stands for is a loopback address (a name is resolved, as
+    the side channel's bind and decode's connect resolve it)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    addresses = {info[4][0] for info in infos}
+    return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
+
+
+def side_channel_reach(serves: str | None, connects: Iterable[str] | None) -> Reach:
+    """The reach of an engine's side channels: ``serves``, the host prefill's side channel
+    listens on (None: no prefill role); ``connects``, the hosts decode may connect to
+    (``allowed_prefills``; None: any host; empty: no decode role)."""
+    if connects is None:
+        return Reach(False, "allowed_prefills unset: decode may reach a prefill on any host")
+    connects = tuple(connects)
+    if serves is not None and not is_loopback_host(serves):
+        return Reach(False, f"side channel on {serves}")
+    beyond = [h for h in connects if not is_loopback_host(h)]
+    if beyond:
+        return Reach(False, f"allowed_prefills names {beyond[0]}")
+    if serves is None and not connects:
+        return Reach(False, "no side channel")
+    said = [f"side channel on {serves}"] if serves is not None else []
+    said += ["every allowed prefill on loopback"] if connects else []
+    return Reach(True, " and ".join(said))
+
+
+def loopback_device() -> str:
+    """The loopback interface's name (the one whose flags say IFF_LOOPBACK; ``lo``)."""
+    try:
+        for dev in sorted(Path("/sys/class/net").iterdir()):
+            if int((dev / "flags").read_text().strip(), 16) & _IFF_LOOPBACK:
+                return dev.name
+    except (OSError, ValueError):
+        pass
+    return "lo"
 
 
 def legacy_ipc_capable(addr: int) -> bool | None:
