@@ -10,9 +10,12 @@ load finished, before any forward. A second batch, loaded with each group's bloc
 rotated (``kvshare_probe_scramble``), is the negative control: it must mismatch.
 
 ``--verify`` turns the connector's ``verify_kv`` on (NIXL cells): every main and control
-load must be verified (decode's read_log), and a third batch whose first block is
+load must be verified (decode's read_log), a third batch whose first block is
 overwritten after the READ (``kvshare_probe_tamper``) must fail its load with a
-VerificationError. ``--outputs CELL`` also runs a colocated engine (no connector) on GPU 0
+VerificationError, and a fourth whose ``remote_block_ids`` are rotated per group (what a
+proxy that reorders lists sends; ``kvshare_probe_reorder``) must be refused by prefill's
+claim check, computed by decode itself, and then hold prefill's KV (digested once finished).
+``--outputs CELL`` also runs a colocated engine (no connector) on GPU 0
 beside that cell, for ``kv_outputs``: decode's outputs against the engine's own noise.
 
     python -m gpu_checks.kv_exact run --out OUT [--cells NAME ...] [--gpus 2] \
@@ -56,11 +59,12 @@ from gpu_checks.processes import (
     wait_for_decode,
 )
 from gpu_checks.random_weights import DONE, weights_dir
+from kvshare_connector.devtools.kv_digests import scrambled
 
 PROMPT_LENS = (700, 1300, 2100, 3100)
 MAX_TOKENS = 8
 BATCHES = ("main", "control")
-VERIFY_BATCHES = (*BATCHES, "tamper")
+VERIFY_BATCHES = (*BATCHES, "tamper", "reorder")
 E2B = "gemma4_e2b_shape"
 CELLS: dict[str, dict[str, Any]] = {
     "e2b/plain": {"model": E2B},
@@ -140,17 +144,23 @@ def run_batches(
         serve_until_stopped(work, args.hold_s)
         return
     produced = prefill_output(work, args.hold_s)
-    flags = {"main": None, "control": "kvshare_probe_scramble", "tamper": "kvshare_probe_tamper"}
+    flags = {"main": None, "control": "kvshare_probe_scramble", "tamper": "kvshare_probe_tamper",
+             "reorder": "kvshare_probe_reorder"}  # fmt: skip
     for batch in batches:
         params = produced[batch]["kv_transfer_params"]
         if flags[batch]:
             params = [{**p, flags[batch]: True} for p in params]
+        if batch == "reorder":  # what a proxy that reorders lists sends
+            params = [{**p, "remote_block_ids": scrambled(p["remote_block_ids"])} for p in params]
         out[batch] = run(batch, params, MAX_TOKENS)
+    if "reorder" in batches:  # a step after the last batch: the probe digests its blocks then
+        generate_tokens(llm, [[1, 2, 3]], [None], 1)
     write_json(work / "decode.result.json", out)
     (work / "stop").touch()
 
 
 # ---- orchestration ------------------------------------------------------------------------
+
 
 def ensure_weights(model: str, args: argparse.Namespace) -> Path:
     target = weights_dir(model, Path(args.weights))
@@ -204,6 +214,7 @@ def run_cell(name: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
 
 # What a cell's engines leave besides processes.RUN_OUTPUTS: a rerun must not read them.
 STALE = ("*.jsonl", "colocated.json")
+REFUSED = "in their order"  # prefill's refusal of a claim naming its blocks reordered
 
 
 def engine_cmd(
@@ -238,9 +249,20 @@ def check_cell(work: Path, cell: dict[str, Any]) -> dict[str, Any]:
     decoded = read_jsonl(work / "decode.jsonl")
     requests, problems = [], []
     batches = batches_of(cell)
-    tampered = []
+    tampered, reordered = [], []
     for record in decoded:
         kind = "control" if record.get("scrambled") else "main"
+        if record.get("reordered"):
+            reordered.append(record)
+            if record.get("at") == "recomputed":
+                source = prefill.get(record["remote_request_id"])
+                if source is None:
+                    problems.append(f"reorder {record['request_id']}: no prefill digests")
+                    continue
+                requests.append({"batch": "reorder", **compare(source, record)})
+            elif REFUSED not in record.get("failed", ""):
+                problems.append(f"reorder {record['request_id']}: load was not refused")
+            continue
         if record.get("tampered"):
             tampered.append(record)
             if "VerificationError" not in record.get("failed", ""):
@@ -258,6 +280,14 @@ def check_cell(work: Path, cell: dict[str, Any]) -> dict[str, Any]:
     decode = read_json(work / "decode.result.json")
     problems += batch_problems(requests, decode, batches)
     verified = [r for r in read_jsonl(work / "decode.read_log.jsonl") if r.get("verified")]
+    refused = sum(REFUSED in r.get("failed", "") for r in reordered)
+    if "reorder" in batches:
+        recomputed = sum(r["batch"] == "reorder" for r in requests)
+        if refused != len(PROMPT_LENS) or recomputed != len(PROMPT_LENS):
+            problems.append(
+                f"reorder: {refused} of {len(PROMPT_LENS)} loads refused, {recomputed} "
+                "recomputed requests compared"
+            )
     if "tamper" in batches:
         if len(tampered) != len(PROMPT_LENS):
             problems.append(f"tamper: {len(tampered)} of {len(PROMPT_LENS)} loads refused")
@@ -273,6 +303,7 @@ def check_cell(work: Path, cell: dict[str, Any]) -> dict[str, Any]:
         "verified_loads": len(verified),
         "verified_layer_blocks": sum(r["verified"] for r in verified),
         "tamper_refused": sum("VerificationError" in r.get("failed", "") for r in tampered),
+        "reorder_refused": refused,
         "prefill_digest_s": sum(r.get("seconds", 0) for r in prefill.values()),
         "decode_digest_s": sum(r.get("seconds", 0) for r in decoded),
     }
@@ -293,6 +324,10 @@ def batch_problems(
         tokens = out.get("tokens", [])
         for i, params in enumerate(out.get("kv_transfer_params", [])):
             error = (params or {}).get("kv_load_error")
+            if kind == "reorder":
+                if REFUSED not in (error or "") and error:
+                    problems.append(f"reorder: kv_load_error {error}")
+                continue
             if kind != "tamper" and error:
                 problems.append(f"{kind}: kv_load_error {error}")
             elif kind == "tamper" and "VerificationError" not in (error or ""):
@@ -322,7 +357,7 @@ def request_problems(requests: list[dict[str, Any]]) -> list[str]:
     problems = []
     for r in requests:
         bad = r["problems"] + [f"group {g} compared no block" for g in r["groups_without_blocks"]]
-        if r["batch"] == "main":
+        if r["batch"] in ("main", "reorder"):  # reorder: decode's own KV, computed again
             if r["mismatches"] or r["sharer_mismatches"] or not r["blocks_compared"]:
                 bad.append(f"{r['mismatches']} block / {r['sharer_mismatches']} sharer mismatch")
             missing = r["sharers_missing"]

@@ -30,12 +30,23 @@ def cell(tmp_path) -> Path:
             failed = f"VerificationError: request t{i}: its KV differs from what prefill ..."
             record = {"side": "decode", "request_id": f"t{i}", "remote_request_id": f"pt{i}"}
             out.write(json.dumps({**record, "tampered": True, "failed": failed}) + "\n")
+    main = [r for r in map(json.loads, (work / "decode.jsonl").read_text().splitlines())
+            if not r.get("scrambled") and "failed" not in r][:n]  # fmt: skip
+    refusal = "ClaimRefused: ... are not the ones prefill holds ..., in their order: ..."
+    with open(work / "decode.jsonl", "a") as out:  # reordered: refused, then computed again
+        for i, record in enumerate(main):
+            ids = {"request_id": f"o{i}", "remote_request_id": record["remote_request_id"]}
+            out.write(json.dumps({"side": "decode", **ids, "reordered": True,
+                                  "failed": refusal}) + "\n")  # fmt: skip
+            again = {**record, **ids, "reordered": True, "at": "recomputed"}
+            out.write(json.dumps(again) + "\n")
     with open(work / "decode.read_log.jsonl", "w") as log:  # main + control loads, verified
         for i in range(2 * n):
             log.write(json.dumps({"request_id": f"r{i}", "bytes": 1, "verified": 543}) + "\n")
     result = json.loads((work / "decode.result.json").read_text())
     error = {"kv_load_error": "VerificationError: ... differs from prefill block 7"}
     result["tamper"] = {"kv_transfer_params": [error] * n}
+    result["reorder"] = {"kv_transfer_params": [{"kv_load_error": refusal}] * n}
     (work / "decode.result.json").write_text(json.dumps(result))
     return work
 
@@ -47,11 +58,37 @@ def test_verify_mode_passes_a_cell_whose_tampered_loads_were_refused(cell):
     assert checked["tamper_refused"] == len(kv_exact.PROMPT_LENS)
 
 
+def test_verify_mode_passes_reordered_loads_refused_and_computed_again(cell):
+    checked = kv_exact.check_cell(cell, CELL)
+    assert checked["reorder_refused"] == len(kv_exact.PROMPT_LENS)
+    assert sum(r["batch"] == "reorder" for r in checked["requests"]) == len(kv_exact.PROMPT_LENS)
+
+
+@pytest.mark.parametrize("wrong", ["accepted", "recomputed_differs"])
+def test_verify_mode_fails_a_reordered_load_accepted_or_computed_wrong(cell, wrong):
+    records = [json.loads(x) for x in (cell / "decode.jsonl").read_text().splitlines()]
+    for record in records:
+        if record.get("reordered") and record["request_id"] == "o1":
+            if wrong == "accepted" and "failed" in record:
+                record["failed"] = ""
+            if wrong == "recomputed_differs" and record.get("at") == "recomputed":
+                name = next(iter(record["digests"]))
+                record["digests"][name][0] = "0" * 64
+    (cell / "decode.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    problems = kv_exact.check_cell(cell, CELL)["problems"]
+    if wrong == "accepted":
+        assert any("reorder o1: load was not refused" in p for p in problems), problems
+    else:
+        assert any(p.startswith("reorder o1") and "mismatch" in p for p in problems), problems
+
+
 def test_verify_mode_fails_a_cell_whose_tampered_load_was_accepted(cell):
     lines = (cell / "decode.jsonl").read_text().splitlines()
-    accepted = json.loads(lines[-1])
+    last = max(i for i, line in enumerate(lines) if json.loads(line).get("tampered"))
+    accepted = json.loads(lines[last])
     del accepted["failed"]
-    (cell / "decode.jsonl").write_text("\n".join([*lines[:-1], json.dumps(accepted)]) + "\n")
+    lines[last] = json.dumps(accepted)
+    (cell / "decode.jsonl").write_text("\n".join(lines) + "\n")
     problems = kv_exact.check_cell(cell, CELL)["problems"]
     assert any("load was not refused" in p for p in problems)
 

@@ -318,7 +318,12 @@ def test_driver_verdicts(stack_topology, tmp_path, monkeypatch):
 
 
 def _probe_pd(
-    tmp_path: Path, prefill_layout: str, model: str, extra: dict, tamper: bool = False
+    tmp_path: Path,
+    prefill_layout: str,
+    model: str,
+    extra: dict,
+    tamper: bool = False,
+    reorder: bool = False,
 ) -> list[dict]:
     """Prefill 3 requests, decode them (the last scrambled; with ``tamper`` the second's
     load is tampered with, which verify_kv must refuse); each decode request compared."""
@@ -339,7 +344,7 @@ def _probe_pd(
         config = {**extra, "kv_probe": {"out": str(tmp_path / "d")}}
         # "recompute": a refused load is computed locally and says why (kv_load_error), on
         # 0.26 and on vLLM >= 0.30, where kv_load_failure_policy decides (default: fail)
-        policy = {"failure_policy": "recompute"} if tamper else {}
+        policy = {"failure_policy": "recompute"} if tamper or reorder else {}
         made.append(
             Engine(model, "per_layer", "kv_consumer", pick_free_port(), config, **probe, **policy)
         )
@@ -351,6 +356,11 @@ def _probe_pd(
         if tamper:
             bad = dict(requests["p1"]["kv_transfer_params"], kvshare_probe_tamper=True)
             requests["p1"] = {"kv_transfer_params": bad}
+        if reorder:  # what kv_exact's reorder batch sends: rotated lists, flagged
+            params = requests["p1"]["kv_transfer_params"]
+            rotated = scrambled(params["remote_block_ids"])
+            bad = dict(params, remote_block_ids=rotated, kvshare_probe_reorder=True)
+            requests["p1"] = {"kv_transfer_params": bad}
         report = decode_requests(made[1], requests, 300)
         errors = {
             r: (v["kv_transfer_params"] or {}).get("kv_load_error") for r, v in report.items()
@@ -359,9 +369,14 @@ def _probe_pd(
             assert "VerificationError" in str(errors.pop("d1")), report["d1"]
             made[1].loaded.pop("d1", None)
             return [errors]
-        assert all(r["kv_transfer_params"] is None for r in report.values())  # no load error
-        # engine_sim's own pattern check agrees: loaded as written, except the scrambled one
-        assert made[1].loaded["d0"] == made[1].loaded["d1"] == [] and made[1].loaded["d2"]
+        if reorder:  # refused by prefill, computed locally; the others load
+            assert "in their order" in str(errors.pop("d1")), report["d1"]
+            assert errors == {"d0": None, "d2": None}
+            made[1].step()  # the step after d1 finished: its blocks are digested
+        else:
+            assert all(r["kv_transfer_params"] is None for r in report.values())  # no error
+            # engine_sim's own pattern check agrees: loaded as written, but the scrambled one
+            assert made[1].loaded["d0"] == made[1].loaded["d1"] == [] and made[1].loaded["d2"]
     finally:
         for engine in made:
             engine.close()
@@ -369,6 +384,10 @@ def _probe_pd(
     for line in (tmp_path / "p").read_text().splitlines():
         sources[json.loads(line)["request_id"]] = json.loads(line)
     decoded = [json.loads(line) for line in (tmp_path / "d").read_text().splitlines()]
+    if reorder:  # the refusal, then the blocks decode computed, digested once it finished
+        refused, recomputed = [r for r in decoded if r.get("reordered")]
+        assert "in their order" in refused["failed"] and recomputed["at"] == "recomputed"
+        return [compare(sources[recomputed["remote_request_id"]], recomputed)]
     assert len(sources) == len(decoded) == 3
     needed_only = extra.get("backend") == "lmcache"
     results = {}
@@ -405,6 +424,29 @@ def test_probe_connector_tampered_load_is_refused_by_verify_kv(tmp_path, extra):
     the block itself); verify_kv (on by default) refuses it."""
     (errors,) = _probe_pd(tmp_path, "per_layer", "g4tiny", extra, tamper=True)
     assert errors == {"d0": None, "d2": None}
+
+
+@pytest.mark.parametrize("computes", [True, False], ids=["computed", "control"])
+def test_probe_connector_reordered_load_is_refused_then_recomputed(tmp_path, monkeypatch, computes):
+    """kv_exact's reorder batch through vLLM's scheduler on the CPU: prefill refuses the
+    rotated block list, decode computes the prompt itself (engine_sim's model writes what
+    prefill's wrote), and the probe's digests of the finished request's blocks equal
+    prefill's. Control: a decode whose model writes nothing there; the same check must
+    report the blocks differ."""
+    from kvshare_connector.devtools.engine_sim import Engine
+
+    if not computes:
+        forward = Engine._forward_prefill
+        monkeypatch.setattr(
+            Engine, "_forward_prefill",
+            lambda self, rid, twin=None: None if twin else forward(self, rid),
+        )  # fmt: skip
+    (recomputed,) = _probe_pd(tmp_path, "per_layer", "g4tiny", {}, reorder=True)
+    assert recomputed["problems"] == [] and recomputed["blocks_compared"] > 0
+    if computes:
+        assert recomputed["mismatches"] == 0 and recomputed["groups_without_blocks"] == []
+    else:
+        assert recomputed["mismatches"] == recomputed["blocks_compared"]
 
 
 def test_probe_connector_lmcache_pd(tmp_path, monkeypatch):

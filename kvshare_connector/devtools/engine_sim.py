@@ -150,12 +150,13 @@ class Engine:
         for req_id, num in out.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
             if request.num_computed_tokens + num >= request.num_prompt_tokens:
-                if (
-                    request.num_output_tokens == 0
-                    and request.kv_transfer_params is not None
-                    and request.kv_transfer_params.get("do_remote_decode")
-                ):
+                params = request.kv_transfer_params or {}
+                if request.num_output_tokens == 0 and params.get("do_remote_decode"):
                     self._forward_prefill(req_id)
+                elif request.num_output_tokens == 0 and num > 1 and req_id.startswith("d"):
+                    # decode computed the prompt itself (its load failed): the same model
+                    # writes the same KV its prefill twin "p<i>" wrote
+                    self._forward_prefill(req_id, twin="p" + req_id[1:])
                 sampled[req_id] = [11 + len(request.output_token_ids)]
             else:
                 sampled[req_id] = []
@@ -194,11 +195,12 @@ class Engine:
                 if output.finished:
                     self.outputs[output.request_id] = output
 
-    def _forward_prefill(self, req_id: str) -> None:
-        """The model wrote the prompt's KV: a pattern keyed by request and block position."""
+    def _forward_prefill(self, req_id: str, twin: str | None = None) -> None:
+        """The model wrote the prompt's KV: a pattern keyed by the prompt (its request, or
+        the ``twin`` that had the same prompt) and block position."""
         ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
         blocks = [list(group) for group in ids]
-        kvcheck.fill(self.stack.kv_caches, self.topology, blocks, seed=_seed(req_id))
+        kvcheck.fill(self.stack.kv_caches, self.topology, blocks, seed=_seed(twin or req_id))
         self.written[req_id] = blocks
 
     def check_loaded(self, req_id: str) -> list[str]:

@@ -15,8 +15,11 @@ so bytes land in the wrong blocks and the comparison must report them.
 A decode request whose kv_transfer_params carry ``"kvshare_probe_scramble": true`` is
 scrambled too. ``"kvshare_probe_tamper": true`` (a negative control of ``verify_kv``)
 overwrites 64 bytes of the request's first block after the READ landed and before the
-connector verifies it: the load must fail. ``KVProbeTPConnector`` is the same under tensor
-parallelism: digests per KV head, one file per rank (``<out stem>.r<rank>.jsonl``).
+connector verifies it: the load must fail. ``"kvshare_probe_reorder": true`` marks a request
+whose params a proxy reordered (the driver rotates ``remote_block_ids``): its load must be
+refused, and once decode computed the prompt itself and the request finished, its blocks are
+digested (``at: recomputed``) to compare with prefill's. ``KVProbeTPConnector`` is the same
+under tensor parallelism: digests per KV head, one file per rank (``<out stem>.r<rank>.jsonl``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from kvshare_connector.vllm.metadata import KVShareMetadata
 
 SCRAMBLE = "kvshare_probe_scramble"
 TAMPER = "kvshare_probe_tamper"
+REORDER = "kvshare_probe_reorder"
 
 
 # ---- the connector ------------------------------------------------------------------------
@@ -53,6 +57,8 @@ class KVProbeConnector(KVShareConnector):
         self._views: dict[str, Any] = {}  # worker: owner (and alias) views as handed over
         self._loads: dict[str, dict[str, Any]] = {}  # worker: loads in flight
         self._tamper: set[str] = set()  # worker: loads to overwrite before verification
+        self._reordered: dict[str, dict[str, Any]] = {}  # scheduler: reordered decode requests
+        self._recomputed: dict[str, dict[str, Any]] = {}  # scheduler: finished ones, to digest
 
     # -- scheduler side ---------------------------------------------------------------------
 
@@ -64,25 +70,37 @@ class KVProbeConnector(KVShareConnector):
                 "num_tokens": len(request.prompt_token_ids or ()),
                 "scramble": self._scramble_all or bool(params.get(SCRAMBLE)),
                 "tamper": bool(params.get(TAMPER)),
+                "reorder": bool(params.get(REORDER)),
             }
+            if params.get(REORDER):
+                self._reordered[request.request_id] = {
+                    "remote_request_id": params.get("remote_request_id"),
+                    "num_tokens": len(request.prompt_token_ids or ()),
+                }
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         hold, params = super().request_finished_all_groups(request, block_ids)
-        self._note_finished(request, hold, params)
+        self._note_finished(request, hold, params, block_ids)
         return hold, params
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         hold, params = super().request_finished(request, block_ids)
-        self._note_finished(request, hold, params)
+        self._note_finished(request, hold, params, (block_ids,))
         return hold, params
 
-    def _note_finished(self, request: Any, hold: bool, params: dict[str, Any] | None) -> None:
+    def _note_finished(
+        self, request: Any, hold: bool, params: dict[str, Any] | None, blocks: Any
+    ) -> None:
         self._pending_decode.pop(request.request_id, None)
+        reordered = self._reordered.pop(request.request_id, None)
+        if reordered is not None:  # its blocks, as decode computed them: digested next step
+            groups = [list(ids) for ids in blocks]
+            self._recomputed[request.request_id] = {**reordered, "groups": groups}
         if hold and params and params.get("remote_block_ids"):
             self._pending_prefill[request.request_id] = {
                 "num_tokens": len(request.prompt_token_ids or ()),
@@ -97,8 +115,12 @@ class KVProbeConnector(KVShareConnector):
             info = self._pending_decode.pop(order.request_id, None)
             if info is not None and any(order.local_block_ids):
                 decode[order.request_id] = info
-        meta.kv_probe = {"prefill": self._pending_prefill, "decode": decode}
-        self._pending_prefill = {}
+        meta.kv_probe = {
+            "prefill": self._pending_prefill,
+            "decode": decode,
+            "recomputed": self._recomputed,
+        }
+        self._pending_prefill, self._recomputed = {}, {}
         return meta
 
     # -- worker side ------------------------------------------------------------------------
@@ -122,6 +144,9 @@ class KVProbeConnector(KVShareConnector):
         if self._out and self.worker is not None:
             for request_id, info in probe.get("prefill", {}).items():  # held since last step
                 self._write("prefill", request_id, request_id, info, at="held")
+            for request_id, info in probe.get("recomputed", {}).items():  # before any forward
+                remote = info["remote_request_id"]  # writes the blocks freed with the request
+                self._write("decode", request_id, remote, info, at="recomputed", reordered=True)
             orders = []
             for order in meta.to_load:
                 info = probe.get("decode", {}).get(order.request_id)
@@ -196,6 +221,7 @@ class KVProbeConnector(KVShareConnector):
                             "remote_request_id": info["remote_request_id"],
                             "scrambled": info["scramble"],
                             "tampered": info.get("tamper", False),
+                            "reordered": info.get("reorder", False),
                             "failed": failed[request_id],
                         }
                     )
