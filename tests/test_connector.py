@@ -109,13 +109,19 @@ def test_pd_transfer_through_vllm_scheduler(prefill_engine, engines, tmp_path):
         sum(s["MB read"] for s in decode.stats), abs=2e-3
     )
 
-    # Negative control: the same check fails when decode reads the wrong blocks.
+    # Negative control: the request's blocks in the wrong order (a proxy that reverses
+    # lists) are refused by prefill before anything moves, naming the order; the refusal
+    # took nothing from the request, whose right params then load.
     bad = dict(requests["p2"])
     params = dict(bad["kv_transfer_params"])
     params["remote_block_ids"] = [list(reversed(ids)) for ids in params["remote_block_ids"]]
     bad["kv_transfer_params"] = params
-    decode_requests(decode, {"p2": bad}, 300)
-    assert decode.loaded["d2"], "reading the wrong blocks went unnoticed"
+    refused = decode_requests(decode, {"p2": bad}, 300)["d2"]
+    assert "in their order" in refused["kv_transfer_params"]["kv_load_error"], refused
+    assert decode.loaded.pop("d2")  # nothing of prefill's KV came: other bytes there
+    decode.outputs.pop("d2")
+    assert decode_requests(decode, {"p2": requests["p2"]}, 300)["d2"]["kv_transfer_params"] is None
+    assert decode.loaded["d2"] == []
 
     # Prefill freed every block once decode had read them (no leaked KV blocks).
     result = child.wait_json(RESULT, 60)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from kvshare_connector.devtools import kvcheck
-from kvshare_connector.devtools.attacks import exchange, read_frame
+from kvshare_connector.devtools.attacks import exchange, read_frame, request_header
 from kvshare_connector.devtools.demo import request_block_ids
 from kvshare_connector.layout.descriptors import request_descriptors
 from kvshare_connector.toolkit.procs import pick_free_port
@@ -43,7 +43,7 @@ from .support.transfer_peer import PeerProcess
 
 PEER_SOURCES = with_defaults([
     {"name": "tiny", "model": "g4tiny", "layout": "per_layer", "requests": 3, "seed": 100},
-    {"name": "drain", "model": "g4tiny", "layout": "per_layer", "requests": 1, "seed": 900},
+    {"name": "drain", "model": "g4tiny", "layout": "per_layer", "requests": 2, "seed": 900},
     {"name": "lease", "model": "g4tiny", "layout": "per_layer", "requests": 1, "lease_s": 1.5,
      "kv_mib": 8, "seed": 600},
 ])  # fmt: skip
@@ -127,7 +127,7 @@ def test_prefill_side_channel_answers_garbage_with_errors_and_keeps_serving(peer
     # connection closed; the server lives on.
     for data, code in [
         (b"\xff" * 64 + b"GET / HTTP/1.1\r\n\r\n", "malformed"),
-        (b"KVSC\x01\x01\x00\x00" + (600 << 20).to_bytes(4, "big"), "oversize"),
+        (request_header(600 << 20), "oversize"),
         (side_channel.encode_request(hello, "someone@127.0.0.1:1")[0], "misaddressed"),
         # a signed request to a side channel without a secret
         (side_channel.encode_request(hello, f"{engine}@127.0.0.1:{port}", b"k" * 16)[0],
@@ -176,7 +176,7 @@ class FakeSideChannel:
             layout = protocol.layout_to_msg(self.topology)
             layout = msgspec.structs.replace(layout, fingerprint="0" * 16)
             reply = protocol.HandshakeReply(
-                protocol.PROTOCOL_VERSION, "fake", "fake-agent", b"not metadata", layout
+                protocol.PROTOCOL_VERSION, "fake-prefill", "fake-agent", b"not metadata", layout
             )
             return ok("ok", protocol.encode(reply))
         return None  # silent
@@ -405,6 +405,10 @@ def test_timed_out_read_keeps_its_blocks_until_nixl_lets_go(peers, decoders, mon
     be made to hang on this machine: its state and release answers are what is faked.)"""
     decoder = decoders("g4tiny", "per_layer", packed_mib=0)
     sink, transport = decoder.sink, decoder.transport
+    # a read before the fault: the prefill's handshake and nameplate READ are done
+    warm_ids = request_block_ids(decoder.topology, TOKENS, seed=40)
+    warm = decoder.read(peers.main.request("drain", 1), warm_ids, new_id("drain"))
+    assert_landed(decoder, warm, warm_ids)
     request = peers.main.request("drain", 0)
     local_ids = request_block_ids(decoder.topology, TOKENS, seed=41)
     rid = new_id("drain")

@@ -146,6 +146,10 @@ class Peers:
         """One request/reply with prefill ``engine_id`` at ``key`` (on the caller's thread),
         decoded. A prefill that answers "busy" is asked again (with backoff, within the
         timeout): it is alive, and a refusal for rate is no reason to drop it."""
+        if not self.settings.allows(*key):  # every connection decode opens: releases too
+            raise SideChannelError(
+                f"prefill at {key[0]}:{key[1]} is not in this decode's allowed_prefills"
+            )
         payload = protocol.encode(message)
         raw = ask_retrying(key[0], key[1], payload, self.timeout_s, self.settings.secret,
                            engine_id, HANDSHAKE_REPLY_BYTES)  # fmt: skip

@@ -24,6 +24,7 @@ from kvshare_connector.layout.topology import KVTopology
 from kvshare_connector.transfer import protocol
 from kvshare_connector.transfer.digests import Digester, PendingDigests
 from kvshare_connector.transfer.held import Held, Packed, digest_msgs, order_difference, over_caps
+from kvshare_connector.transfer.kv_params import host_problem
 from kvshare_connector.transfer.lanes import LaneInfo
 from kvshare_connector.transfer.nameplate import NAMEPLATE_BYTES, Nameplate
 from kvshare_connector.transfer.nixl import NixlTransport
@@ -71,6 +72,13 @@ class KVSource:
     ):
         """``inline_answers=False``: every answer takes the side channel's helper thread
         (how claims were answered before; ``benchmarks/bench_claim_latency.py``)."""
+        why = host_problem(settings.host)
+        if why is not None:  # decode refuses params naming it: no load would ever succeed
+            raise ValueError(
+                f"the KV side channel's host {settings.host!r} is what kv_transfer_params "
+                f"name and decode dials, and it is {why}: set VLLM_NIXL_SIDE_CHANNEL_HOST to "
+                "this engine's address"
+            )
         check_exposure(settings.host, settings.secret, settings.insecure)
         self.settings = settings
         self.engine_id = settings.engine_id
