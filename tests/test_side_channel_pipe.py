@@ -17,6 +17,7 @@ from kvshare_connector.transfer.side_channel import (
     SideChannelRefused,
     SideChannelReset,
     SideChannelServer,
+    encode_reply,
 )
 from kvshare_connector.transfer.side_channel_client import Pipe, retryable
 
@@ -157,7 +158,7 @@ def test_a_peer_that_dies_mid_reply_resets_its_requests():
     def half_reply() -> None:
         conn, _ = listener.accept()
         conn.recv(1 << 16)
-        conn.sendall(b"KVSC\x01\x02\x00\x00\x00\x00\x01\x00partial")
+        conn.sendall(encode_reply("ok", b"")[:8] + (256).to_bytes(4, "big") + b"partial")
         conn.close()
 
     thread = threading.Thread(target=half_reply, daemon=True)

@@ -1,257 +1,63 @@
-"""Attacks on prefill's side channel, and a real prefill to aim them at (docs/security.md).
+"""Attacks on prefill's side channel (docs/security.md), aimed at a real prefill
+(``devtools.attack_target.TargetProcess``, re-exported here).
 
-``TargetProcess`` starts a prefill process (``python -m kvshare_connector.devtools.attacks``:
-vLLM's real KV memory for a small Gemma-4 shape on the CPU, a real NIXL agent and
-``KVSource``, requests held) and reads its RSS, its log size and its own counters
-(``stats()``: refusals, the longest ``poll()``, unknown-id state). Each attack is a bounded
-loop of what a hostile client on the network can send; ``tests/test_side_channel_attacks.py``
+Each attack is a bounded loop of what a hostile client on the network can send, from a
+loopback address of its choice (``source``: 127.0.0.2 and up are as good as 127.0.0.1 on
+Linux, and each has budgets of its own at the server); ``tests/test_side_channel_attacks.py``
 asserts what must hold after each, ``benchmarks/bench_side_channel.py`` runs each for a
 while and measures what a legitimate decode sees meanwhile.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
-import os
+import json
+import selectors
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from kvshare_connector.common.child_process import parse_report, report
+from kvshare_connector.devtools.attack_target import (
+    READY,
+    STATS,
+    TOKENS,
+    TargetProcess,
+    Watch,
+    _hold_gil,
+)
 from kvshare_connector.transfer import protocol, side_channel, side_channel_client
+from kvshare_connector.transfer.side_channel_replay import WINDOW
 
-READY = "KVSHARE_TARGET_READY "
-STATS = "KVSHARE_TARGET_STATS "
-TOKENS = 200
+__all__ = ["READY", "STATS", "TOKENS", "TargetProcess", "Watch", "_hold_gil"]  # and below
 
-
-# ---- the target: a prefill process ---------------------------------------------------------
-
-
-def _serve(args: argparse.Namespace) -> int:
-    """The prefill process: hold ``--requests`` requests, poll, answer ``stats`` on stdin."""
-    from kvshare_connector.devtools.demo import build, requests_block_ids
-    from kvshare_connector.transfer.nixl import NixlTransport
-    from kvshare_connector.transfer.settings import EngineSettings
-    from kvshare_connector.transfer.source import KVSource
-
-    if args.switch_interval_ms:
-        sys.setswitchinterval(args.switch_interval_ms / 1e3)  # as the nixl backend does
-    _stack, topology = build("g4tiny", "per_layer", 16, 2048)
-    engine_id = f"target-{os.getpid()}"
-    secret = args.secret.encode() if args.secret else None
-    settings = EngineSettings(engine_id, lease_s=3600.0, secret=secret)
-    source = KVSource(
-        topology, NixlTransport(engine_id), settings, inline_answers=not args.pool_answers
-    )
-    held = requests_block_ids(topology, TOKENS, args.requests, 7)
-    for index, ids in enumerate(held):
-        source.hold(f"req-{index}", block_ids=ids)
-    report(READY, {"engine_id": engine_id, "port": source.port,
-                   "requests": {f"req-{i}": ids for i, ids in enumerate(held)}})  # fmt: skip
-    asked = threading.Event()
-    closed = threading.Event()
-    busy_s = [args.busy_ms / 1e3]
-
-    def watch_stdin() -> None:
-        for line in sys.stdin:
-            if line.strip() == "stats":
-                asked.set()
-            elif line.startswith("busy "):
-                busy_s[0] = float(line.split()[1]) / 1e3
-        closed.set()
-
-    threading.Thread(target=watch_stdin, daemon=True).start()
-    worst = worst_cpu = 0.0  # wall (waits for the GIL included) and this thread's own CPU
-    while not closed.is_set():
-        started, cpu = time.perf_counter(), time.thread_time()
-        source.poll()
-        worst = max(worst, time.perf_counter() - started)
-        worst_cpu = max(worst_cpu, time.thread_time() - cpu)
-        if asked.is_set():
-            asked.clear()
-            by_reason = source.server.refused  # since the last stats: taken just below
-            refused = source.take_refused()
-            with source._lock:
-                early, held_now = len(source._early), len(source._held)
-            report(STATS, {"max_poll_ms": worst * 1e3,
-                           "max_poll_cpu_ms": worst_cpu * 1e3, **refused,
-                           "early": early, "held": held_now,
-                           "transport": by_reason})  # fmt: skip
-            worst = worst_cpu = 0.0
-        if busy_s[0]:
-            _hold_gil(busy_s[0])
-        else:
-            time.sleep(0.005)
-    source.close()
-    return 0
-
-
-def _hold_gil(seconds: float) -> None:
-    """Run Python for ``seconds`` without a pause, as an engine thread does between its
-    steps' waits (an eager forward launches every kernel from Python)."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        sum(range(200))
-
-
-class TargetProcess:
-    """A running prefill target; every wait on it is bounded. ``busy_ms``: its engine
-    thread holds the GIL as a busy engine does, polling every ``busy_ms``; ``pool``: it
-    answers on the side channel's helper thread (``KVSource(inline_answers=False)``);
-    ``switch_interval_ms``: Python's thread switch interval there (0: Python's)."""
-
-    def __init__(
-        self,
-        secret: str | None,
-        requests: int = 8,
-        busy_ms: float = 0.0,
-        pool: bool = False,
-        switch_interval_ms: float = 0.0,
-    ):
-        argv = [sys.executable, "-m", __name__, "--requests", str(requests)]
-        argv += ["--busy-ms", str(busy_ms), "--switch-interval-ms", str(switch_interval_ms)]
-        argv += ["--pool-answers"] if pool else []
-        env = dict(os.environ, PYTHONUNBUFFERED="1", KVSHARE_NIXL_PROGRESS_THREAD="0")
-        if secret:
-            argv += ["--secret", secret]
-        self.secret = secret.encode() if secret else None
-        self._changed = threading.Condition()
-        for attempt in (1, 2):
-            self._spawn(argv, env)
-            try:
-                ready = self._next(READY, 300)
-                break
-            except TimeoutError as exc:
-                # A CPU vLLM stack can die at start (once in CI: exit 1 before READY, e.g. a
-                # port taken between being picked and bound): start it once more, and say so.
-                if attempt == 2 or self.process.poll() is None:
-                    raise
-                print(f"attack target: started again after: {exc}", file=sys.stderr)
-        self.engine_id: str = ready["engine_id"]
-        self.port: int = ready["port"]
-        self.requests: dict[str, list[list[int]]] = ready["requests"]
-
-    def _spawn(self, argv: list[str], env: dict[str, str]) -> None:
-        self.process = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, env=env,
-        )  # fmt: skip
-        self.log_bytes = 0  # all it logged (stdout and stderr)
-        self._tail: collections.deque[str] = collections.deque(maxlen=8)  # said why it ended
-        self._lines: list[str] = []
-        threading.Thread(target=self._read, args=(self.process.stdout, True), daemon=True).start()
-        threading.Thread(target=self._read, args=(self.process.stderr, False), daemon=True).start()
-
-    def _read(self, stream: Any, stdout: bool) -> None:
-        """Report lines are kept; everything else is log."""
-        for line in stream:
-            with self._changed:
-                if stdout and line.startswith((READY, STATS)):
-                    self._lines.append(line)
-                else:
-                    self.log_bytes += len(line.encode())
-                    self._tail.append(line.rstrip()[:300])
-                self._changed.notify_all()
-
-    def _next(self, prefix: str, timeout_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        with self._changed:
-            while True:
-                for i, line in enumerate(self._lines):
-                    if line.startswith(prefix):
-                        del self._lines[: i + 1]
-                        return parse_report(line, prefix)
-                left = deadline - time.monotonic()
-                if left <= 0 or self.process.poll() is not None:
-                    code = self.process.poll()
-                    raise TimeoutError(
-                        f"target: no {prefix.strip()} line (exit {code}); its last lines: "
-                        + " | ".join(self._tail)
-                    )
-                self._changed.wait(min(left, 0.1))
-
-    @property
-    def where(self) -> str:
-        return side_channel.destination(self.engine_id, "127.0.0.1", self.port)
-
-    def stats(self) -> dict[str, Any]:
-        """Its refusals since the last call (``transport``: by reason, at the framing and
-        authentication; ``refused_messages``: those and the protocol's; ``refused_claims``),
-        the longest poll() meanwhile, and its unknown-id and held-request counts now."""
-        assert self.process.stdin is not None
-        self.process.stdin.write("stats\n")
-        self.process.stdin.flush()
-        return self._next(STATS, 30)
-
-    def busy(self, ms: float) -> None:
-        """From now on its engine thread holds the GIL, polling every ``ms`` (0: idle)."""
-        assert self.process.stdin is not None
-        self.process.stdin.write(f"busy {ms}\n")
-        self.process.stdin.flush()
-
-    def rss(self) -> int:
-        """Resident bytes of the target process now."""
-        with open(f"/proc/{self.process.pid}/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError("no VmRSS")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            assert self.process.stdin is not None
-            self.process.stdin.close()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-
-
-@dataclass
-class Watch:
-    """Samples a process's RSS every 20 ms while an attack runs: the peak over the start."""
-
-    target: TargetProcess
-    start: int = 0
-    peak: int = 0
-    _stop: threading.Event = field(default_factory=threading.Event)
-
-    def __enter__(self) -> Watch:
-        self.start = self.peak = self.target.rss()
-
-        def sample() -> None:
-            while not self._stop.wait(0.02):
-                self.peak = max(self.peak, self.target.rss())
-
-        self._thread = threading.Thread(target=sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.target.rss())
-
-    @property
-    def growth(self) -> int:
-        return self.peak - self.start
+DECODE = "127.0.0.1"  # where the legitimate decode asks from
+# A map whose first value nests 1,000 deep before the tag: msgspec skips it looking for the
+# tag, recursing (issue 46: RecursionError, a traceback per message, 12 MB of log in 10 s)
+NESTED = b"\x82\xa1x" + b"\x91" * 1000 + b"\x01" + b"\xa4type\xa5hello"
+_LINGER_0 = struct.pack("ii", 1, 0)
 
 
 # ---- what a client sends --------------------------------------------------------------------
 
 
-def exchange(port: int, data: bytes, timeout_s: float = 5.0) -> tuple[str, bytes, bytes] | None:
+def connect(port: int, source: str = DECODE, timeout_s: float = 5.0) -> socket.socket:
+    """A connection to the side channel on 127.0.0.1:``port`` from address ``source``."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout_s, (source, 0))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as decode's clients
+    return sock
+
+
+def exchange(
+    port: int, data: bytes, timeout_s: float = 5.0, source: str = DECODE
+) -> tuple[str, bytes, bytes] | None:
     """Send raw bytes to a side channel on 127.0.0.1; its reply as ``(code, mac, payload)``,
     or None if it closed without one."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+    with connect(port, source, timeout_s) as sock:
         with contextlib.suppress(OSError):  # refused unread: the server stops reading
             sock.sendall(data)
         try:
@@ -274,6 +80,25 @@ def _recv(sock: socket.socket, n: int) -> bytes:
             raise ConnectionError("closed")
         data += chunk
     return bytes(data)
+
+
+def _frames(sock: socket.socket, count: int) -> list[str]:
+    """The codes of the next ``count`` replies on ``sock``, read in large chunks."""
+    codes: list[str] = []
+    buffer = bytearray()
+    at = 0
+    while len(codes) < count:
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            raise ConnectionError("closed")
+        buffer += chunk
+        while len(buffer) - at >= side_channel.HEADER_BYTES:
+            end = at + side_channel.HEADER_BYTES + int.from_bytes(buffer[at + 8 : at + 12], "big")
+            if len(buffer) < end:
+                break
+            codes.append(_decode(bytes(buffer[at + side_channel.HEADER_BYTES : end]))[0])
+            at = end
+    return codes
 
 
 def _decode(body: bytes) -> tuple[str, bytes, bytes]:
@@ -308,7 +133,7 @@ def legit_round(target: TargetProcess, timeout_s: float = 5.0) -> float:
 def _claim(target: TargetProcess, request_id: str, ids: list[list[int]], token: str) -> Any:
     return protocol.Claim(
         protocol.PROTOCOL_VERSION, "attacker", [request_id], 30.0, token=token,
-        block_ids={request_id: ids},
+        block_ids={request_id: [protocol.pack_ids(g) for g in ids]},
     )  # fmt: skip
 
 
@@ -316,24 +141,31 @@ def _release(ids: list[str], reason: str, token: str = "") -> Any:
     return protocol.Release(protocol.PROTOCOL_VERSION, "attacker", ids, reason, token)
 
 
-def attack_oversize(target: TargetProcess, rounds: int) -> list[str | None]:
+def request_header(length: int) -> bytes:
+    """A request's header announcing a body of ``length`` bytes."""
+    return side_channel.encode_request(b"", "")[0][:8] + length.to_bytes(4, "big")
+
+
+def attack_oversize(target: TargetProcess, rounds: int, source: str = DECODE) -> list[str | None]:
     """Headers announcing 510 MiB (the old 34 frames x 15 MiB), then a little of the body."""
-    header = b"KVSC\x01\x01\x00\x00" + (510 << 20).to_bytes(4, "big")
-    return [_code(exchange(target.port, header + b"x" * (1 << 16))) for _ in range(rounds)]
+    data = request_header(510 << 20) + b"x" * (1 << 16)
+    return [_code(exchange(target.port, data, source=source)) for _ in range(rounds)]
 
 
-def attack_big_bodies(target: TargetProcess, rounds: int, connections: int = 16) -> list[str]:
+def attack_big_bodies(
+    target: TargetProcess, rounds: int, connections: int = 16, source: str = DECODE
+) -> list[str]:
     """Bodies just under the size cap, unauthenticated, from many connections at once."""
     body = b"\x00" * (side_channel.MAX_REQUEST_BYTES - 64)
     frame = side_channel.encode_request(body, target.where, None)[0]
-    return _flood(target.port, frame, rounds, connections)
+    return _flood(target.port, frame, rounds, connections, source)
 
 
-def attack_claim_flood(target: TargetProcess, rounds: int) -> list[str]:
+def attack_claim_flood(target: TargetProcess, rounds: int, source: str = DECODE) -> list[str]:
     """Unsigned claims naming 100k block ids of made-up requests, as fast as answered."""
     ids = [list(range(1, 100_001))]
     frame = signed(target, _claim(target, "x" * 500, ids, "t" * 32), b"not the secret")
-    return [_code(exchange(target.port, frame)) or "closed" for _ in range(rounds)]
+    return [_code(exchange(target.port, frame, source=source)) or "closed" for _ in range(rounds)]
 
 
 def attack_release_flood(target: TargetProcess, rounds: int) -> list[str]:
@@ -353,10 +185,12 @@ def attack_long_reason(target: TargetProcess, rounds: int) -> list[str]:
     return [_ok_error(_when_admitted(target.port, signed(target, release))) for _ in range(rounds)]
 
 
-def attack_hello_flood(target: TargetProcess, rounds: int, connections: int = 4) -> list[str]:
-    """Unsigned handshakes from this (the decode's own) address."""
+def attack_hello_flood(
+    target: TargetProcess, rounds: int, connections: int = 4, source: str = DECODE
+) -> list[str]:
+    """Unsigned handshakes (by default from the decode's own address)."""
     frame = signed(target, protocol.Hello(protocol.PROTOCOL_VERSION, "x"), b"wrong")
-    return _flood(target.port, frame, rounds, connections)
+    return _flood(target.port, frame, rounds, connections, source)
 
 
 def flood(port: int, seconds: float, connections: int = 4) -> collections.Counter[str]:
@@ -366,7 +200,7 @@ def flood(port: int, seconds: float, connections: int = 4) -> collections.Counte
     hello = protocol.Hello(protocol.PROTOCOL_VERSION, "flood")
     claim = protocol.Claim(
         protocol.PROTOCOL_VERSION, "flood", ["x" * 64], 30.0, token="t" * 32,
-        block_ids={"x" * 64: [list(range(1, 100_001))]},
+        block_ids={"x" * 64: [protocol.pack_ids(range(1, 100_001))]},
     )  # fmt: skip
     where = side_channel.destination("", "127.0.0.1", port)
     frames = [
@@ -409,12 +243,12 @@ def attack_odd_messages(target: TargetProcess, name: str) -> list[str]:
 
 
 def _when_admitted(
-    port: int, data: bytes, tries: int = 100
+    port: int, data: bytes, tries: int = 100, source: str = DECODE
 ) -> tuple[str, bytes, bytes] | None:
     """``exchange``, again while the server turns the connection away (an earlier attack's
     connections still count against this address); such a request was never read."""
     for _ in range(tries):
-        reply = exchange(port, data)
+        reply = exchange(port, data, source=source)
         if reply is not None and reply[0] != "overloaded":
             return reply
         time.sleep(0.05)
@@ -440,13 +274,15 @@ def _ok_error(reply: tuple[str, bytes, bytes] | None) -> str:
     return "ok"
 
 
-def _flood(port: int, frame: bytes, rounds: int, connections: int) -> list[str]:
+def _flood(
+    port: int, frame: bytes, rounds: int, connections: int, source: str = DECODE
+) -> list[str]:
     """``frame`` sent ``rounds`` times from each of ``connections`` threads: the codes."""
     codes: list[str] = []
 
     def one() -> None:
         for _ in range(rounds):
-            codes.append(_code(exchange(port, frame)) or "closed")
+            codes.append(_code(exchange(port, frame, source=source)) or "closed")
 
     workers = [threading.Thread(target=one) for _ in range(connections)]
     for w in workers:
@@ -456,11 +292,194 @@ def _flood(port: int, frame: bytes, rounds: int, connections: int) -> list[str]:
     return codes
 
 
+# ---- issue 46: held connections, deep nesting, resets, replays ------------------------------
+
+
+class HeldConnections:
+    """``per_source`` connections from each address of ``sources``, held open without a
+    byte sent until ``close``; with ``reopen``, one the server ends (or refuses) is opened
+    again at once, so the attacker keeps its count. ``ended`` counts those the server
+    ended. ``announce``: each first sends an unsigned request and reads its refusal, so it
+    is known to be accepted when the constructor returns (then it is idle, as the others)."""
+
+    def __init__(
+        self, port: int, sources: list[str], per_source: int, reopen: bool = True,
+        announce: bool = False,
+    ):  # fmt: skip
+        self.port, self.reopen, self.ended = port, reopen, 0
+        self._selector = selectors.DefaultSelector()
+        self._stop = threading.Event()
+        self._missing: collections.Counter[str] = collections.Counter()
+        self.sockets: list[socket.socket] = []
+        for source in sources:
+            for _ in range(per_source):
+                self._open(source, announce)
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _open(self, source: str, announce: bool = False) -> None:
+        try:
+            sock = connect(self.port, source)
+            if announce:
+                sock.sendall(side_channel.encode_request(b"held", "", None)[0])
+                read_frame(sock)
+        except OSError:
+            self._missing[source] += 1  # opened again by the watch, with ``reopen``
+            return
+        sock.setblocking(False)
+        self._selector.register(sock, selectors.EVENT_READ, source)
+        self.sockets.append(sock)
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._selector.select(0.05):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                try:
+                    if sock.recv(1 << 16):
+                        continue  # a late reply to the announcement
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    pass
+                self.ended += 1
+                self._selector.unregister(sock)
+                self.sockets.remove(sock)
+                sock.close()
+                self._missing[key.data] += 1
+            if self.reopen:
+                missing, self._missing = self._missing, collections.Counter()
+                for source, count in missing.items():
+                    for _ in range(count):
+                        if not self._stop.is_set():
+                            self._open(source)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for sock in self.sockets:
+            sock.close()
+        self._selector.close()
+
+    def __enter__(self) -> HeldConnections:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def attack_deep_nesting(target: TargetProcess, rounds: int, source: str = DECODE) -> list[str]:
+    """``NESTED``, signed with the target's secret (an insider's; unsigned without one)."""
+    return [
+        _ok_error(_when_admitted(target.port, signed(target, NESTED), source=source))
+        for _ in range(rounds)
+    ]
+
+
+def reset_after_reply(port: int, rounds: int, source: str = DECODE) -> list[str]:
+    """A refused request (510 MiB announced) with 256 KiB of its body, ended by a reset the
+    moment the refusal arrives: the server, its reading paused, still holds unread bytes
+    (issue 46: its ``write_eof()`` then met ENOTCONN, a traceback per connection).
+    ``answered`` or ``closed`` per round."""
+    data = request_header(510 << 20) + b"x" * (256 << 10)
+    ends = []
+    for _ in range(rounds):
+        with connect(port, source) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_0)
+            try:
+                sock.sendall(data)
+                ends.append("answered" if sock.recv(1) else "closed")
+            except OSError:
+                ends.append("closed")
+    return ends
+
+
+def replay_after(
+    port: int, where: str, secret: bytes, captured: bytes, messages: int, payload: bytes,
+    sources: list[str], rate: float = 1900.0,
+) -> dict[str, Any]:  # fmt: skip
+    """Send the signed request ``captured`` once, then ``messages`` signed requests of
+    ``payload`` to ``where`` (pipelined, from each address of ``sources`` at most ``rate``
+    per second: under the server's accepted rate), then ``captured`` again: issue 46
+    found it accepted again after 2^18 of them. The codes of both sends, the count."""
+    first = _code(exchange(port, captured, source=sources[0]))
+    codes: collections.Counter[str] = collections.Counter()
+    started = time.monotonic()
+    in_order = threading.Lock()  # a batch leaves as soon as it is signed: counters in order
+
+    def one(source: str, count: int) -> None:
+        sent, batch = 0, max(1, WINDOW // 2 // len(sources))  # arrive within the window
+        while sent < count:
+            try:
+                with connect(port, source, 30.0) as sock:
+                    while sent < count:
+                        k = min(batch, count - sent)
+                        with in_order:
+                            sock.sendall(
+                                b"".join(
+                                    side_channel.encode_request(payload, where, secret)[0]
+                                    for _ in range(k)
+                                )
+                            )
+                        codes.update(_frames(sock, k))
+                        sent += k
+                        ahead = sent / rate - (time.monotonic() - started)
+                        if ahead > 0:
+                            time.sleep(ahead)
+            except OSError:
+                codes["closed"] += 1
+
+    share = -(-messages // len(sources))
+    workers = [threading.Thread(target=one, args=(s, share)) for s in sources]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    again = _code(exchange(port, captured, source=sources[0]))
+    return {"first": first, "replay": again, "signed": sum(codes.values()),
+            "codes": dict(codes), "seconds": round(time.monotonic() - started, 1)}  # fmt: skip
+
+
+def attack_replay(target: TargetProcess, messages: int = (1 << 18) + 4096) -> dict[str, Any]:
+    """``replay_after`` on the target: a captured signed Hello, then releases of nothing
+    from 16 addresses of 127.0.1.x, then the Hello again (``replay``: ``ok`` if accepted)."""
+    assert target.secret is not None, "a replay needs signed requests: a target with a secret"
+    hello = protocol.encode(protocol.Hello(protocol.PROTOCOL_VERSION, "captured"))
+    captured = side_channel.encode_request(hello, target.where, target.secret)[0]
+    release = protocol.encode(_release([], "bye"))
+    sources = [f"127.0.1.{i}" for i in range(1, 17)]
+    return replay_after(
+        target.port, target.where, target.secret, captured, messages, release, sources
+    )
+
+
+class HeldElsewhere:
+    """``HeldConnections`` in a process of its own (``python -m ...attacks hold``): its
+    reconnects then compete with the measured client for the CPU, not for its GIL.
+    ``close`` returns the child's ``ended`` and sockets held."""
+
+    def __init__(self, port: int, sources: list[str], per_source: int):
+        argv = [sys.executable, "-m", __name__, "hold", str(port), str(per_source), *sources]
+        self.process = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self.process.stdout is not None
+        self.process.stdout.readline()  # "holding": all opened once
+
+    def close(self) -> dict[str, int]:
+        out, _ = self.process.communicate("", timeout=30)
+        return json.loads(out.splitlines()[-1])
+
+
+def _hold(port: int, per_source: int, sources: list[str]) -> int:
+    with HeldConnections(port, sources, per_source) as held:
+        print("holding", flush=True)
+        sys.stdin.read()  # until the parent closes it
+        print(json.dumps({"held": len(held.sockets), "ended by the server": held.ended}))
+    return 0
+
+
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="a prefill side channel to attack")
-    parser.add_argument("--secret", default=None)
-    parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--busy-ms", type=float, default=0.0)
-    parser.add_argument("--pool-answers", action="store_true")
-    parser.add_argument("--switch-interval-ms", type=float, default=0.0)
-    sys.exit(_serve(parser.parse_args()))
+    if sys.argv[1:2] == ["hold"]:
+        sys.exit(_hold(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]))
+    sys.exit(f"usage: python -m {__spec__.name} hold PORT PER_SOURCE SOURCE...")

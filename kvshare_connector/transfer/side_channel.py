@@ -7,103 +7,110 @@ and authenticated before it is acted on (docs/security.md has the threat model):
 
 * framing: a 12-byte header states the body's length; a body over ``max_request_bytes``
   is refused without being read, a connection that stalls mid-request is closed, and the
-  number of connections (in all, per address) is capped, so one client holds at most
-  ``per_address_connections x max_request_bytes`` of the server's memory;
+  connections that have not authenticated are capped (in all, per address), so a client
+  without the secret holds at most ``per_address_connections x max_request_bytes`` of the
+  server's memory (a holder of the secret, ``per_address_authenticated x`` that more);
+* a connection over a cap evicts one that has not authenticated (``side_channel_admission``)
+  instead of being turned away: held-open connections cannot keep a decode out;
 * with a shared secret every request carries ``nonce | time | HMAC-SHA256`` over its
   payload *and its destination* (the engine id and address it is meant for): a request
-  relayed to another engine, replayed, stale or signed with another secret is refused,
-  and the reply carries a MAC over the request's nonce, so it answers this request only;
+  relayed to another engine, replayed (``side_channel_replay``: at any rate, within its
+  freshness), stale or signed with another secret is refused, and the reply carries a MAC
+  over the request's nonce, so it answers this request only;
 * authenticated requests and refused ones draw on separate per-address budgets, so a
   flood of garbage from a decode's own address cannot starve that decode; a refusal for
   rate says ``busy``, which clients retry instead of taking the peer for dead;
-* every refusal is answered with its reason, counted, and logged within a line budget.
+* every refusal is answered with its reason, counted, and logged within a line budget, and
+  so is every failure on a connection (tracebacks within a budget of their own).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
+import functools
 import ipaddress
-import secrets
+import logging
+import math
 import socket
 import struct
 import threading
 import time
-from collections import Counter, OrderedDict
+import traceback
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
 from kvshare_connector.common.log import LogBudget, get_logger
+from kvshare_connector.transfer.side_channel_admission import (
+    Admission,
+    Buckets,
+    Connection,
+    Limits,
+)
+from kvshare_connector.transfer.side_channel_replay import ReplayWindows
+from kvshare_connector.transfer.side_channel_wire import (
+    _HEADER,
+    _MAGIC,
+    _NONCE,
+    _REPLY,
+    _REPLY_DOMAIN,
+    _REQUEST,
+    _VERSION,
+    BUSY,
+    HEADER_BYTES,
+    MAX_REFUSAL_CHARS,
+    MAX_REPLY_BYTES,
+    MAX_REQUEST_BYTES,
+    MAX_SKEW_S,
+    SideChannelError,
+    SideChannelRefused,
+    SideChannelReset,
+    _encoder,
+    _frame,
+    _mac,
+    _Reply,
+    _request_decoder,
+    authenticate,
+    destination,
+    encode_reply,
+    encode_request,
+    open_reply,
+    reply_length,
+)
+
+__all__ = [  # the wire's names, as callers have always imported them from here
+    "BUSY", "HEADER_BYTES", "MAX_REFUSAL_CHARS", "MAX_REPLY_BYTES", "MAX_REQUEST_BYTES",
+    "MAX_SKEW_S", "Answer", "Limits", "SideChannelError", "SideChannelRefused",
+    "SideChannelReset", "SideChannelServer", "check_exposure", "destination", "encode_reply",
+    "encode_request", "is_loopback", "open_reply", "reply_length", "warn_if_no_secret",
+]  # fmt: skip
 
 logger = get_logger(__name__)
 
 SECRET_ENV = "KVSHARE_SIDE_CHANNEL_SECRET"
 INSECURE_ENV = "KVSHARE_SIDE_CHANNEL_INSECURE"
-MAX_REQUEST_BYTES = 1 << 20  # a claim naming ~100k block ids fits
-MAX_REPLY_BYTES = 64 << 20  # a handshake reply carries a layout and NIXL metadata
-MAX_SKEW_S = 120.0  # clocks of the two hosts may differ this much
-MAX_REFUSAL_CHARS = 300  # refusal texts sent and logged
-_MAGIC = b"KVSC"
-_VERSION = 1
-_HEADER = struct.Struct(">4sBBHI")  # magic, version, kind, reserved, body length
-_REQUEST, _REPLY = 1, 2
-_NONCE, _STAMP, _MAC = 16, 8, 32
-_AUTH = _NONCE + _STAMP + _MAC
-_REQUEST_DOMAIN = b"kvshare-side-channel-request-v2\0"
-_REPLY_DOMAIN = b"kvshare-side-channel-reply-v2\0"
-_MAX_NONCES = 1 << 18  # remembered nonces (a replay window; oldest forgotten first)
-BUSY = ("busy", "overloaded")  # refusals a client retries: the peer is alive
+_CHUNK = 1 << 16  # a longer request body is read in pieces of this
+_LINGER_0 = struct.pack("ii", 1, 0)  # close with a reset: an evicted peer sees one at once
 
 
-class SideChannelError(ConnectionError):
-    """The peer could not be reached, did not answer in time, or answered unauthenticated.
-    ``retryable``: it reset the connection before answering (a server over its connection
-    cap closes without reading): alive, worth asking again."""
-
-    retryable = False
+def _reset(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_0)
+    sock.close()
 
 
-class SideChannelReset(SideChannelError):
-    retryable = True
+class _Link:
+    """A connection's socket, its task and, once built, its writer: what ending it takes."""
 
-
-class SideChannelRefused(SideChannelError):
-    """The peer answered, refusing the request (``code`` says why)."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-
-    @property
-    def busy(self) -> bool:
-        return self.code in BUSY
-
-
-class _Request(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    destination: str  # "<engine id>@<host>:<port>" the sender means
-    auth: bytes  # nonce | stamp | mac, or empty without a secret
-    payload: bytes
-
-
-class _Reply(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    code: str  # "ok", or why the request was refused
-    mac: bytes  # over the request's nonce and the payload (empty without a secret)
-    payload: bytes  # the answer, or the refusal's text
-
-
-_request_decoder = msgspec.msgpack.Decoder(_Request)
-_reply_decoder = msgspec.msgpack.Decoder(_Reply)
-_encoder = msgspec.msgpack.Encoder()
-
-
-def destination(engine_id: str, host: str, port: int) -> str:
-    """What a signed request is addressed to (and what a server answers to)."""
-    return f"{engine_id}@{host}:{port}"
+    def __init__(self, sock: socket.socket, address: str):
+        self.sock = sock
+        self.conn = Connection(address, lambda why: None)  # ``end`` bound once admitted
+        self.task: asyncio.Task[None] | None = None
+        self.writer: asyncio.StreamWriter | None = None
 
 
 _warned_no_secret = False
@@ -145,81 +152,13 @@ def check_exposure(host: str, secret: bytes | None, insecure: bool) -> None:
         )
 
 
-def _mac(secret: bytes, *parts: bytes) -> bytes:
-    h = hmac.new(secret, digestmod=hashlib.sha256)
-    for part in parts:
-        h.update(part)
-    return h.digest()
-
-
-def _frame(kind: int, body: bytes) -> bytes:
-    return _HEADER.pack(_MAGIC, _VERSION, kind, 0, len(body)) + body
-
-
-HEADER_BYTES = _HEADER.size
-
-
-def encode_request(payload: bytes, where: str, secret: bytes | None = None) -> tuple[bytes, bytes]:
-    """A framed request to ``where`` (``destination``), signed with ``secret``; with the
-    nonce its reply's MAC covers (empty without a secret)."""
-    nonce, auth = b"", b""
-    if secret is not None:
-        nonce = secrets.token_bytes(_NONCE)
-        stamp = struct.pack(">Q", int(time.time() * 1000))
-        auth = (
-            nonce
-            + stamp
-            + _mac(secret, _REQUEST_DOMAIN, nonce, stamp, where.encode() + b"\0", payload)
-        )
-    return _frame(_REQUEST, _encoder.encode(_Request(where, auth, payload))), nonce
-
-
-def encode_reply(code: str, payload: bytes, mac: bytes = b"") -> bytes:
-    """A framed reply: ``ok`` with the answer, or a refusal's code with its text."""
-    return _frame(_REPLY, _encoder.encode(_Reply(code, mac, payload)))
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one server spends on its peers, at most."""
-
-    max_request_bytes: int = MAX_REQUEST_BYTES
-    connections: int = 128  # open at once, all addresses
-    per_address_connections: int = 8  # x max_request_bytes: what one client can make us hold
-    request_s: float = 5.0  # a started request must arrive whole within this
-    idle_s: float = 30.0  # a connection with no request for this long is closed
-    rate: float = 2000.0  # accepted requests per second and address, sustained
-    burst: float = 4000.0
-    refused_rate: float = 100.0  # refused ones per second and address (they cost replies)
-    refused_burst: float = 200.0
-    log_lines: int = 20  # refusal log lines per ``log_window_s``; the rest are summed up
-    log_window_s: float = 10.0
-
-
-class _Buckets:
-    """Token buckets per address, oldest forgotten first."""
-
-    def __init__(self, rate: float, burst: float, size: int = 4096):
-        self.rate, self.burst, self.size = rate, burst, size
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
-
-    def take(self, address: str) -> bool:
-        now = time.monotonic()
-        tokens, last = self._buckets.pop(address, (self.burst, now))
-        tokens = min(self.burst, tokens + (now - last) * self.rate)
-        allowed = tokens >= 1.0
-        self._buckets[address] = (tokens - 1.0 if allowed else tokens, now)
-        while len(self._buckets) > self.size:
-            self._buckets.popitem(last=False)
-        return allowed
-
-
 Answer = bytes | Callable[[], bytes]  # a reply now, or work that may wait for one
 
 
 class SideChannelServer:
     """Answers each request with ``handler(payload)``, from an event loop of its own;
-    refusals are answered, counted by reason (``refused``) and logged within a budget.
+    refusals are answered, counted by reason (``refused``; ``evicted``: connections reset
+    to make room) and logged within a budget.
 
     The handler runs on the loop's thread and returns the reply, or a function that may
     wait (e.g. for device work) and is run on a helper thread. Each hop between threads
@@ -241,17 +180,24 @@ class SideChannelServer:
         self._handler = handler
         self._inline = inline
         self._secret = secret
-        self.limits = limits or Limits()
-        self._accepted = _Buckets(self.limits.rate, self.limits.burst)
-        self._refusals = _Buckets(self.limits.refused_rate, self.limits.refused_burst)
-        self._log = LogBudget(self.limits.log_lines, self.limits.log_window_s, logger=logger)
-        self._nonces: OrderedDict[bytes, float] = OrderedDict()
-        self._connections: Counter[str] = Counter()
+        self.limits = lim = limits or Limits()
+        self._accepted = Buckets(lim.rate, lim.burst)
+        self._refusals = Buckets(lim.refused_rate, lim.refused_burst)
+        self._log = LogBudget(lim.log_lines, lim.log_window_s, logger=logger)
+        # a traceback is long: one per minute, whatever fails (a handler, a connection)
+        self._failures = LogBudget(1, 60.0, logging.ERROR, logger=logger, max_chars=4000)
+        self._replays = ReplayWindows(MAX_SKEW_S, lim.senders)
+        self._admission = Admission(
+            lim.connections, lim.per_address_connections, lim.authenticated_connections,
+            lim.per_address_authenticated,
+        )  # fmt: skip
         self._refused_lock = threading.Lock()
         self._refused: Counter[str] = Counter()
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvshare-side-channel")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP named, so asyncio sets TCP_NODELAY on what it accepts: without, a
+        # reply behind another unacknowledged one waited for decode's delayed ACK (40 ms)
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
@@ -262,6 +208,7 @@ class SideChannelServer:
         self.host, self.port = host, sock.getsockname()[1]
         self.destination = destination(engine_id, host, self.port)
         self._loop = asyncio.new_event_loop()
+        self._loop.set_exception_handler(self._loop_failed)
         started = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(sock, started), name="kvshare-side-channel", daemon=True
@@ -271,16 +218,18 @@ class SideChannelServer:
 
     def _run(self, sock: socket.socket, started: threading.Event) -> None:
         asyncio.set_event_loop(self._loop)
-        self._server = self._loop.run_until_complete(
-            asyncio.start_server(self._serve, sock=sock, limit=1 << 16)
-        )
+        sock.setblocking(False)
+        self._listener = sock
+        self._loop.add_reader(sock.fileno(), self._accept)
+        self._loop.create_task(self._watch())
         started.set()
         self._loop.run_forever()
         self._loop.close()
 
     async def _shutdown(self) -> None:
         """Stop listening, end every connection, then the loop."""
-        self._server.close()
+        self._loop.remove_reader(self._listener.fileno())
+        self._listener.close()
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for task in tasks:
             task.cancel()
@@ -297,92 +246,186 @@ class SideChannelServer:
             out, self._refused = dict(self._refused), Counter()
             return out
 
-    def _refuse(self, address: str, code: str, message: str) -> bytes | None:
-        """Count and log a refusal; its reply, or None once the address has spent its
-        refusal budget (the connection is then closed without one)."""
+    def _count(self, code: str) -> None:
         with self._refused_lock:
             self._refused[code] += 1
+
+    def _refuse(
+        self, address: str, code: str, message: str, version: int = _VERSION
+    ) -> bytes | None:
+        """Count and log a refusal; its reply (framed as ``version``), or None once the
+        address has spent its refusal budget (the connection is then closed without one)."""
+        self._count(code)
         self._log.log(f"refused a request from {address} ({code}): {message}")
         if not self._refusals.take(address):
             return None
-        return encode_reply(code, message[:MAX_REFUSAL_CHARS].encode())
+        body = _encoder.encode(_Reply(code, b"", message[:MAX_REFUSAL_CHARS].encode()))
+        return _frame(_REPLY, body, version)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        address = str(peer[0]) if peer else "?"
-        limits = self.limits
-        full = sum(self._connections.values()) >= limits.connections
-        self._connections[address] += 1
+    def _failed(self, what: str) -> None:
+        """An exception no peer should be able to cause: its traceback, within budget."""
+        self._failures.log(f"{what}:\n{traceback.format_exc()[-3800:]}")
+
+    def _loop_failed(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """What asyncio would log with a traceback (a callback's or a task's exception):
+        within the budget, like everything else a peer may cause."""
+        exc = context.get("exception")
+        trace = "".join(traceback.format_exception(exc))[-3000:] if exc is not None else ""
+        self._failures.log(f"{context.get('message', 'event loop error')}: {trace}")
+
+    async def _watch(self) -> None:
+        """End the connections past their deadline, ten times a second: one timer for all
+        (a timer per read cost a third of the loop's time under a flood of requests)."""
+        while True:
+            await asyncio.sleep(0.1)
+            try:
+                for conn in self._admission.overdue(time.monotonic()):
+                    conn.end("expired")
+            except Exception:
+                self._failed("side channel: the connection watch failed")
+
+    def _accept(self) -> None:
+        """Take the connections waiting (64 at most: requests in flight go on meanwhile).
+        Admission decides on the bare socket, before anything is built for it: one turned
+        away (over a cap, nobody evictable) is reset at once, a few microseconds however
+        fast a peer connects (streams and a task cost a flood of them ten times that)."""
+        for _ in range(64):
+            try:
+                sock, peer = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of descriptors: the watch frees idle ones
+                self._log.log(f"cannot accept a connection: {exc}")
+                return
+            link = _Link(sock, str(peer[0]))
+            if not self._admission.admit(link.conn):
+                self._count("overloaded")
+                self._log.log(f"refused a connection from {link.conn.address}: too many")
+                _reset(sock)
+                continue
+            link.task = self._loop.create_task(self._serve(link))
+            link.conn.end = functools.partial(self._end, link)
+
+    def _end(self, link: _Link, why: str) -> None:
+        """End a connection at once: evicted (with a reset: its peer, a decode's, asks
+        again), or expired (a request not sent whole in time, or idle too long)."""
+        conn = link.conn
+        if why == "evicted":
+            self._count("evicted")
+            with contextlib.suppress(OSError):
+                link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_0)
+        elif conn.stage == "request":
+            self._refuse(conn.address, "incomplete", "request not sent whole in time")
+        conn.deadline = math.inf
+        if link.writer is not None:
+            link.writer.transport.abort()
+        else:
+            link.sock.close()
+        if link.task is not None:
+            link.task.cancel()
+
+    async def _serve(self, link: _Link) -> None:
+        conn, address = link.conn, link.conn.address
         try:
-            if full or self._connections[address] > limits.per_address_connections:
-                reply = self._refuse(address, "overloaded", f"too many connections from {address}")
-            else:
-                reply = await self._requests(address, reader, writer)
+            reader, link.writer = await asyncio.open_connection(sock=link.sock, limit=1 << 16)
+            writer = link.writer
+            reply = await self._requests(conn, reader, writer)
             if reply is not None:  # a last refusal, after which the stream is not trusted
+                conn.stage, conn.deadline = "reply", time.monotonic() + self.limits.request_s
                 writer.write(reply)
-                await asyncio.wait_for(writer.drain(), limits.request_s)
+                await writer.drain()
                 await self._drain_and_close(reader, writer)
-        except (ConnectionError, TimeoutError, asyncio.CancelledError):
-            pass  # the peer went away, stalled, or the server is closing
+        except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass  # the peer went away (ENOTCONN included), was evicted, or we close
+        except Exception:  # never let one connection stop the listener, or log unbounded
+            self._failed(f"side channel: the connection from {address} failed")
         finally:
-            self._connections[address] -= 1
-            if not self._connections[address]:
-                del self._connections[address]
-            writer.close()
+            self._admission.leave(conn)
+            if link.writer is not None:
+                link.writer.close()
+            else:
+                link.sock.close()
 
     @staticmethod
     async def _drain_and_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Close after a refusal so that the peer gets it: closing with its unread bytes
         still here would reset the connection and lose the reply. So: end our side, then
         read and drop what it sends (at most 1 MiB, for at most half a second)."""
-        if writer.can_write_eof():
-            writer.write_eof()
-        deadline = asyncio.get_running_loop().time() + 0.5
+        with contextlib.suppress(OSError):  # ENOTCONN: the peer reset it meanwhile
+            if writer.can_write_eof():
+                writer.write_eof()
         dropped = 0
-        with contextlib.suppress(TimeoutError, ConnectionError):
-            while dropped < (1 << 20):
-                left = deadline - asyncio.get_running_loop().time()
-                chunk = await asyncio.wait_for(reader.read(1 << 16), max(left, 0))
-                if not chunk:
-                    break
-                dropped += len(chunk)
+        with contextlib.suppress(TimeoutError, OSError):
+            async with asyncio.timeout(0.5):
+                while dropped < (1 << 20):
+                    chunk = await reader.read(1 << 16)
+                    if not chunk:
+                        break
+                    dropped += len(chunk)
 
     async def _requests(
-        self, address: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self, conn: Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> bytes | None:
         """Answer requests on one connection until it ends; a refusal that ends it."""
-        limits = self.limits
-        while True:
+        limits, address = self.limits, conn.address
+        while True:  # deadlines, not timers: ``_watch`` ends a connection past its own
+            self._admission.rest(conn, time.monotonic() + limits.idle_s)
             try:
-                header = await asyncio.wait_for(reader.readexactly(_HEADER.size), limits.idle_s)
-            except (asyncio.IncompleteReadError, TimeoutError):
-                return None  # the peer is done (or idle)
+                header = await reader.readexactly(_HEADER.size)
+            except asyncio.IncompleteReadError:
+                return None  # the peer is done
+            conn.stage, conn.deadline = "request", time.monotonic() + limits.request_s
+            self._admission.moved(conn)
             magic, version, kind, _, length = _HEADER.unpack(header)
-            if (magic, version, kind) != (_MAGIC, _VERSION, _REQUEST):
+            if (magic, kind) != (_MAGIC, _REQUEST):
                 return self._refuse(
                     address, "malformed", f"not a kvshare side-channel request: {header!r}"
                 )
+            if version != _VERSION:  # answered in its own framing: the peer reads why
+                return self._refuse(
+                    address, "version", f"side-channel frame version {version} is not "
+                    f"spoken here (this engine speaks {_VERSION}): run the same "
+                    "kvshare-connector release on every engine", version,
+                )  # fmt: skip
             if length > limits.max_request_bytes:  # refused unread
                 return self._refuse(
                     address, "oversize", f"request of {length} B exceeds "
                     f"{limits.max_request_bytes} B"
                 )  # fmt: skip
             try:
-                body = await asyncio.wait_for(reader.readexactly(length), limits.request_s)
-            except (asyncio.IncompleteReadError, TimeoutError):
-                self._refuse(address, "incomplete", "request not sent whole in time")
+                body = await self._body(conn, reader, length)
+            except asyncio.IncompleteReadError:
+                self._refuse(address, "incomplete", "request not sent whole")
                 return None
-            reply = await self._answer(address, body)
-            if reply is None:  # this address spent its refusal budget
-                return None
+            reply, go_on = await self._answer(conn, body)
+            if reply is None or not go_on:  # refusal budget spent, or a last refusal
+                return reply
+            conn.stage, conn.deadline = "reply", time.monotonic() + limits.request_s
             writer.write(reply)
-            await asyncio.wait_for(writer.drain(), limits.request_s)
+            await writer.drain()
 
-    async def _answer(self, address: str, body: bytes) -> bytes | None:
+    async def _body(
+        self, conn: Connection, reader: asyncio.StreamReader, length: int
+    ) -> bytes | bytearray:
+        """A request's body, read as it comes (each chunk moves the connection on)."""
+        if length <= _CHUNK:
+            return await reader.readexactly(length)
+        body = bytearray()
+        while len(body) < length:
+            chunk = await reader.read(min(length - len(body), _CHUNK))
+            if not chunk:
+                raise asyncio.IncompleteReadError(bytes(body), length)
+            body += chunk
+            self._admission.moved(conn)
+        return body
+
+    async def _answer(self, conn: Connection, body: bytes | bytearray) -> tuple[bytes | None, bool]:
+        """The reply to one request, and whether the connection goes on after it."""
+        address = conn.address
         try:
             request = _request_decoder.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return self._refuse(address, "malformed", f"undecodable request: {exc}")
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+            return self._refuse(address, "malformed", f"undecodable request: {exc}"), True
         if request.destination != self.destination:
             return self._refuse(
                 address,
@@ -390,28 +433,37 @@ class SideChannelServer:
                 f"request addressed to {request.destination[:200]!r}, this is "
                 f"{self.destination!r} (a relayed request, or kv_transfer_params naming "
                 "another host or port than this prefill advertises)",
-            )
+            ), True
         nonce = b""
         if self._secret is None:
             if request.auth:
                 return self._refuse(
                     address, "unauthenticated", "signed request, but this side channel has "
                     "no side_channel_secret"
-                )  # fmt: skip
+                ), True  # fmt: skip
         else:
-            why = self._authenticate(request)
+            why = authenticate(request, self._secret, self._replays, time.time())
             if why is not None:
-                return self._refuse(address, *why)
+                return self._refuse(address, *why), True
             nonce = request.auth[:_NONCE]
+            if not self._admission.authenticate(conn):
+                return self._refuse(
+                    address, "overloaded", f"too many authenticated connections from {address}"
+                    " or in all, none idle"
+                ), False  # fmt: skip
         if not self._accepted.take(address):
-            return self._refuse(address, "busy", f"{address} sends faster than allowed: retry")
+            why = f"{address} sends faster than allowed: retry"
+            return self._refuse(address, "busy", why), True
+        conn.stage, conn.deadline = "handler", math.inf
         try:
             payload = await self._handle(request.payload)
         except Exception as exc:  # never let one request stop the listener
-            logger.exception("side channel: handler failed")
-            return self._refuse(address, "failed", f"the request failed: {exc}")
+            self._failed("side channel: handler failed")
+            return self._refuse(address, "failed", f"the request failed: {exc!r}"), True
+        finally:
+            conn.stage, conn.deadline = "reply", time.monotonic() + self.limits.request_s
         mac = _mac(self._secret, _REPLY_DOMAIN, nonce, payload) if self._secret else b""
-        return encode_reply("ok", payload, mac)
+        return encode_reply("ok", payload, mac), True
 
     async def _handle(self, payload: bytes) -> bytes:
         if not self._inline:
@@ -422,35 +474,6 @@ class SideChannelServer:
             answer = await self._loop.run_in_executor(self._pool, answer)
         return answer
 
-    def _authenticate(self, request: _Request) -> tuple[str, str] | None:
-        """Why an authenticated request is refused (code, text), or None."""
-        assert self._secret is not None
-        auth = request.auth
-        if len(auth) != _AUTH:
-            return "unauthenticated", (
-                "request is not authenticated (this side channel requires the shared "
-                "side_channel_secret)"
-            )
-        nonce, stamp, mac = auth[:_NONCE], auth[_NONCE : _NONCE + _STAMP], auth[-_MAC:]
-        expected = _mac(
-            self._secret, _REQUEST_DOMAIN, nonce, stamp, request.destination.encode() + b"\0",
-            request.payload,
-        )  # fmt: skip
-        if not hmac.compare_digest(mac, expected):
-            return "unauthenticated", "request has a wrong MAC (another side_channel_secret?)"
-        now = time.time()
-        sent = struct.unpack(">Q", stamp)[0] / 1000
-        if abs(now - sent) > MAX_SKEW_S:
-            return "stale", f"request is {now - sent:+.0f} s old (replay or clock skew)"
-        while self._nonces and next(iter(self._nonces.values())) < now:
-            self._nonces.popitem(last=False)
-        if nonce in self._nonces:
-            return "replayed", "request was replayed"
-        self._nonces[nonce] = now + 2 * MAX_SKEW_S
-        while len(self._nonces) > _MAX_NONCES:
-            self._nonces.popitem(last=False)
-        return None
-
     def close(self) -> None:
         if self._thread.is_alive():
             done = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
@@ -459,33 +482,3 @@ class SideChannelServer:
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def reply_length(header: bytes, where: str, max_reply_bytes: int = MAX_REPLY_BYTES) -> int:
-    """The body length a reply's header states (``SideChannelError`` if it is none)."""
-    magic, version, kind, _, length = _HEADER.unpack(header)
-    if (magic, version, kind) != (_MAGIC, _VERSION, _REPLY) or length > max_reply_bytes:
-        raise SideChannelError(
-            f"peer at {where} answered something else than a kvshare side-channel reply "
-            f"({length} B)"
-        )
-    return length
-
-
-def open_reply(body: bytes, nonce: bytes, secret: bytes | None, where: str) -> bytes:
-    """The answer a reply body carries, once it is checked to answer the request that
-    ``nonce`` was sent with; ``SideChannelRefused`` for a refusal."""
-    try:
-        reply = _reply_decoder.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise SideChannelError(f"peer at {where} answered a malformed reply: {exc}") from exc
-    if reply.code != "ok":
-        text = reply.payload[:MAX_REFUSAL_CHARS].decode(errors="replace")
-        raise SideChannelRefused(reply.code, f"peer at {where} refused ({reply.code}): {text}")
-    if secret is not None and not hmac.compare_digest(
-        reply.mac, _mac(secret, _REPLY_DOMAIN, nonce, reply.payload)
-    ):
-        raise SideChannelError(
-            f"reply from {where} is not authenticated (is side_channel_secret the same on prefill?)"
-        )
-    return reply.payload
