@@ -442,12 +442,13 @@ def replay_after(
 
 def attack_replay(target: TargetProcess, messages: int = (1 << 18) + 4096) -> dict[str, Any]:
     """``replay_after`` on the target: a captured signed Hello, then releases of nothing
-    from 16 addresses of 127.0.1.x, then the Hello again (``replay``: ``ok`` if accepted)."""
+    from 8 addresses of 127.0.1.x (as issue 46 sent them: 2^18 in 25.6 s), then the Hello
+    again (``replay``: ``ok`` if accepted)."""
     assert target.secret is not None, "a replay needs signed requests: a target with a secret"
     hello = protocol.encode(protocol.Hello(protocol.PROTOCOL_VERSION, "captured"))
     captured = side_channel.encode_request(hello, target.where, target.secret)[0]
     release = protocol.encode(_release([], "bye"))
-    sources = [f"127.0.1.{i}" for i in range(1, 17)]
+    sources = [f"127.0.1.{i}" for i in range(1, 9)]
     return replay_after(
         target.port, target.where, target.secret, captured, messages, release, sources
     )
