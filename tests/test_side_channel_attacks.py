@@ -277,8 +277,9 @@ def test_without_a_secret_prefill_refuses_to_serve_beyond_loopback():
         def register(self, regions):  # pragma: no cover - never reached
             raise AssertionError("a refused source must not register memory")
 
-    with pytest.raises(side_channel.SideChannelError, match="would listen on 0.0.0.0 without"):
-        KVSource(topology, NoTransport(), EngineSettings("p", host="0.0.0.0"))
+    # a host of this network, not loopback (0.0.0.0 is refused before, as no one host)
+    with pytest.raises(side_channel.SideChannelError, match="would listen on 10.9.8.7 without"):
+        KVSource(topology, NoTransport(), EngineSettings("p", host="10.9.8.7"))
 
 
 def test_a_target_that_cannot_start_says_why(monkeypatch):
