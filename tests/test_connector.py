@@ -86,9 +86,12 @@ def test_pd_transfer_through_vllm_scheduler(prefill_engine, engines, tmp_path):
         assert params["do_remote_prefill"] is True and len(params["remote_block_ids"]) == 6
 
     read_log = tmp_path / "reads.jsonl"
+    # "recompute": a refused load is computed locally and says why (kv_load_error), on
+    # 0.26 and on vLLM >= 0.30, where kv_load_failure_policy decides (default: fail)
     decode = engines(
-        "g4tiny", "per_layer", "kv_consumer", pick_free_port(), {"read_log": str(read_log)}
-    )
+        "g4tiny", "per_layer", "kv_consumer", pick_free_port(), {"read_log": str(read_log)},
+        failure_policy="recompute",
+    )  # fmt: skip
     good = {rid: requests[rid] for rid in ("p0", "p1")}
     report = decode_requests(decode, good, 300)
 
