@@ -11,51 +11,14 @@ in one ``pump`` for 79-1,229 ms and grew decode by 71-1,141 MiB.
 from __future__ import annotations
 
 import socket
-import struct
-import threading
 import time
 
 import pytest
 
+from benchmarks.bench_reply_flood import Flood
 from kvshare_connector.transfer import side_channel_client
 from kvshare_connector.transfer.side_channel import HEADER_BYTES, SideChannelError
 from kvshare_connector.transfer.side_channel_client import Pipe
-
-
-class Flood:
-    """Reads one request, then sends a reply header announcing ``length`` bytes and
-    streams bytes until the client closes (or ``limit`` bytes went out)."""
-
-    def __init__(self, length: int, limit: int = 256 << 20):
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.length, self.limit = length, limit
-        self.sent = 0
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _header(self) -> bytes:
-        # the real header of a reply frame (magic, version, kind, reserved, length)
-        probe = side_channel_client.encode_request(b"", "x@h:1")[0][:HEADER_BYTES]
-        magic, version = probe[:4], probe[4]
-        return struct.pack(">4sBBHI", magic, version, 2, 0, self.length)
-
-    def _run(self) -> None:
-        conn, _ = self.listener.accept()
-        with conn:
-            conn.recv(1 << 16)
-            chunk = b"\x5a" * (1 << 20)
-            try:
-                conn.sendall(self._header())
-                while self.sent < self.limit:
-                    conn.sendall(chunk)
-                    self.sent += len(chunk)
-            except OSError:
-                return  # the client closed
-
-    def close(self) -> None:
-        self.listener.close()
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture
@@ -130,3 +93,11 @@ def test_a_reply_within_its_bound_is_read_in_bounded_pumps_and_nothing_after_it(
     assert sum(reads) == HEADER_BYTES + (2 << 20)  # the reply, and not one byte after it
     pipe.pump()
     assert server.sent > sum(reads)  # the peer went on sending: none of it was read
+
+
+def test_the_reply_flood_benchmark_measures_a_refused_reply():
+    from benchmarks.bench_reply_flood import one_case
+
+    result = one_case(64 << 20, 64 << 10, pumps=500)
+    assert result["settled"] and "answered something else" in result["error"]
+    assert result["pumps"] >= 1 and result["max_pump_ms"] > 0

@@ -310,13 +310,13 @@ class Pipe:
         want = self._lacking()
         if want is None or want > 0:
             return
-        body = bytes(self._in[HEADER_BYTES:])
-        self._in.clear()
         p = self._pending.popleft()
-        try:
-            p.future.set_result(open_reply(body, p.nonce, self._secret, self.where))
-        except SideChannelError as exc:
-            p.future.set_exception(exc)
+        with memoryview(self._in) as view, view[HEADER_BYTES:] as body:  # decoded in place
+            try:
+                p.future.set_result(open_reply(body, p.nonce, self._secret, self.where))  # type: ignore[arg-type]
+            except SideChannelError as exc:
+                p.future.set_exception(exc)
+        self._in = bytearray()
 
     def _expire(self, now: float) -> None:
         if self._pending and self._pending[0].deadline <= now:
