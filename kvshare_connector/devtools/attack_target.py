@@ -150,7 +150,7 @@ class TargetProcess:
                     self._lines.append(line)
                 else:
                     self.log_bytes += len(line.encode())
-                    self.tracebacks += line.startswith("Traceback")
+                    self.tracebacks += "Traceback (most recent call last)" in line
                     self._tail.append(line.rstrip()[:300])
                 self._changed.notify_all()
 
