@@ -89,6 +89,9 @@ ATTACKS: dict[str, Attack] = {
         lambda t: attacks.reset_after_reply(t.port, 20, source="127.0.7.1")
     ),
     "replay after 2^18 + 4,096 signed": replay,
+    "2^17 foreign-id claims of a held request, signed": repeat(
+        lambda t: attacks.attack_heavy_claims(t, 20, source="127.0.9.1")
+    ),
 }
 
 

@@ -168,6 +168,22 @@ def attack_claim_flood(target: TargetProcess, rounds: int, source: str = DECODE)
     return [_code(exchange(target.port, frame, source=source)) or "closed" for _ in range(rounds)]
 
 
+def attack_heavy_claims(target: TargetProcess, rounds: int, source: str = DECODE) -> list[str]:
+    """Claims of a held request naming 2**17 block ids it does not hold, signed (an insider,
+    or anyone without a secret): each refused by a vectorised compare under the lock that
+    prefill's ``poll()`` takes."""
+    request_id = sorted(target.requests)[0]
+    groups = len(target.requests[request_id])  # its groups, the first naming the bulk
+    bulk = protocol.MAX_BLOCK_IDS_PER_MESSAGE - (groups - 1)
+    ids = [list(range(1, bulk + 1))] + [[bulk + g] for g in range(1, groups)]
+    claim = _claim(target, request_id, ids, "h" * 32)
+    payload = protocol.encode(claim)
+    return [  # each signed anew: a signed frame sent twice is a replay
+        _ok_error(exchange(target.port, signed(target, payload), source=source))
+        for _ in range(rounds)
+    ]
+
+
 def attack_release_flood(target: TargetProcess, rounds: int) -> list[str]:
     """Signed releases of 256 made-up request ids each (pre-releasing guessed ids)."""
     codes = []
