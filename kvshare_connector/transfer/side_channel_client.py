@@ -85,10 +85,13 @@ def ask(
 
 
 def _unanswered(exc: OSError, where: str) -> SideChannelError:
-    """Reset or closed unanswered: a server over its connection cap (or an address's
-    refusal budget) closes without reading; ask again. Refused: nobody listens."""
+    """Reset, broken or closed unanswered: a server over its connection cap evicts or
+    resets (a send after that breaks the pipe), one over an address's refusal budget closes
+    without reading; ask again. Refused: nobody listens."""
     why = exc.strerror or str(exc)
-    alive = isinstance(exc, ConnectionResetError | _Closed)
+    alive = isinstance(
+        exc, ConnectionResetError | BrokenPipeError | ConnectionAbortedError | _Closed
+    )
     kind = SideChannelReset if alive else SideChannelError
     return kind(f"no answer from the prefill side channel at {where}: {why}")
 

@@ -144,7 +144,8 @@ class KVSource:
     def take_refused(self) -> dict[str, int]:
         """Refusals since the last call, for stats: ``refused_messages`` (unauthenticated,
         malformed, oversize, rate-limited, replayed, misaddressed or over the per-message
-        caps), ``refused_claims`` (another reader, or blocks not held for the request in
+        caps, and connections evicted or refused at accept over the connection caps),
+        ``refused_claims`` (another reader, or blocks not held for the request in
         that order) and ``hold_limits`` (claimed requests freed at their claim's bound)."""
         messages = sum(self.server.take_refused().values())
         with self._lock:
