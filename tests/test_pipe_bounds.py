@@ -100,4 +100,4 @@ def test_the_reply_flood_benchmark_measures_a_refused_reply():
 
     result = one_case(64 << 20, 64 << 10, pumps=500)
     assert result["settled"] and "answered something else" in result["error"]
-    assert result["pumps"] >= 1 and result["max_pump_ms"] > 0
+    assert set(result) >= {"max_pump_ms", "pumps", "rss_growth_mib", "peer_sent_mib"}
