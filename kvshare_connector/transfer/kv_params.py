@@ -230,3 +230,18 @@ def _check_fields(p: RemotePrefillParams) -> None:
     digest = p.remote_prompt_digest
     if digest is not None and not _DIGEST.fullmatch(digest):
         raise bad("remote_prompt_digest", f"not a SHA-256 hex digest: {digest[:80]!r}")
+
+
+def is_loopback(host: str) -> bool:
+    """Every address ``host`` stands for is a loopback address (a name is resolved, as the
+    side channel's bind and decode's connect resolve it)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    addresses = {info[4][0] for info in infos}
+    return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)

@@ -34,6 +34,8 @@ from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvshare_connector.transfer.kv_params import is_loopback
+
 GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 RMA_PPLN = "UCX_RMA_PPLN_ENABLE"
 NET_DEVICES = "UCX_NET_DEVICES"
@@ -139,21 +141,6 @@ def apply(plan: LanePlan, environ: MutableMapping[str, str] | None = None) -> No
         _APPLIED[key] = value
 
 
-def is_loopback_host(host: str) -> bool:
-    """Every address ``host`` stands for is a loopback address (a name is resolved, as
-    the side channel's bind and decode's connect resolve it)."""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    addresses = {info[4][0] for info in infos}
-    return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
-
-
 def side_channel_reach(serves: str | None, connects: Iterable[str] | None) -> Reach:
     """The reach of an engine's side channels: ``serves``, the host prefill's side channel
     listens on (None: no prefill role); ``connects``, the hosts decode may connect to
@@ -161,9 +148,9 @@ def side_channel_reach(serves: str | None, connects: Iterable[str] | None) -> Re
     if connects is None:
         return Reach(False, "allowed_prefills unset: decode may reach a prefill on any host")
     connects = tuple(connects)
-    if serves is not None and not is_loopback_host(serves):
+    if serves is not None and not is_loopback(serves):
         return Reach(False, f"side channel on {serves}")
-    beyond = [h for h in connects if not is_loopback_host(h)]
+    beyond = [h for h in connects if not is_loopback(h)]
     if beyond:
         return Reach(False, f"allowed_prefills names {beyond[0]}")
     if serves is None and not connects:

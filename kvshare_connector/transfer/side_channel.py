@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import ipaddress
 import logging
 import math
 import socket
@@ -45,6 +44,7 @@ from typing import Any
 import msgspec
 
 from kvshare_connector.common.log import LogBudget, get_logger
+from kvshare_connector.transfer.kv_params import is_loopback
 from kvshare_connector.transfer.side_channel_admission import (
     Admission,
     Buckets,
@@ -128,16 +128,6 @@ def warn_if_no_secret(secret: bytes | None) -> None:
             "side_channel_secret or %s on every engine (docs/security.md)",
             SECRET_ENV,
         )
-
-
-def is_loopback(host: str) -> bool:
-    """Every address ``host`` stands for is a loopback address."""
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    addresses = {info[4][0] for info in infos}
-    return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
 
 
 def check_exposure(host: str, secret: bytes | None, insecure: bool) -> None:
