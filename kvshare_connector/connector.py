@@ -1,4 +1,4 @@
-"""``KVShareConnector``: the KV connector for vLLM 0.26.0 .. 0.33.0, role dispatch only.
+"""``KVShareConnector``: the KV connector for vLLM 0.26.0 .. 0.34.0, role dispatch only.
 
 What differs between those releases is answered in ``kvshare_connector.vllm.compat``; each
 hook here exists for the releases that call it and is inert on the others.
@@ -36,7 +36,7 @@ from kvshare_connector.vllm.stats import KVShareStats
 from kvshare_connector.vllm.worker import KVShareWorker
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionBackend, AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -237,6 +237,13 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids)
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: KVTransferConfig) -> Any:
+        """vLLM >= 0.34: how the workers reach the KV memory, which decides whether vLLM
+        maps it with driver virtual memory (see ``compat.kv_cache_access``)."""
+        options = ConnectorOptions.parse(kv_transfer_config.kv_connector_extra_config)
+        return compat.kv_cache_access(options.backend)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

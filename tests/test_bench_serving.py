@@ -21,6 +21,10 @@ import pytest
 
 from benchmarks.gpu import bench_serving as bs
 from benchmarks.gpu import serving_report as sr
+from kvshare_connector.vllm import compat
+
+# What kvcached's engines get for the model runner: V1 where vLLM still has it (not 0.34).
+V1_RUNNER_ENV = "0" if compat.HAS_V1_MODEL_RUNNER else None
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,12 +106,12 @@ def test_commands_of_each_deployment(tmp_path: Path, model_dir: Path) -> None:
     gpus = {k: e.env["CUDA_VISIBLE_DEVICES"] for k, e in engines.items()}
     assert gpus[("nixl", "prefill")] == "0" and gpus[("nixl", "decode")] == "1"
     assert gpus[("colocated", "colocated")] == "0"
-    # kvcached only for ours, V1 runner, one IPC segment per engine.
+    # kvcached only for ours, V1 runner (where vLLM has one), one IPC segment per engine.
     for (name, _), e in engines.items():
         if name.startswith("ours"):
             assert e.env["ENABLE_KVCACHED"] == "true"
             assert e.env["KVCACHED_CONTIGUOUS_LAYOUT"] == "false"
-            assert e.env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+            assert e.env.get("VLLM_USE_V2_MODEL_RUNNER") == V1_RUNNER_ENV
         else:
             assert e.env["ENABLE_KVCACHED"] == "false" and "KVCACHED_IPC_NAME" not in e.env
     ipc = [e.env["KVCACHED_IPC_NAME"] for (n, _), e in engines.items() if n.startswith("ours")]

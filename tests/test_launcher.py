@@ -35,6 +35,10 @@ from kvshare_connector.toolkit.procs import (
     stop_processes,
 )
 from kvshare_connector.transfer.side_channel import SECRET_ENV
+from kvshare_connector.vllm import compat
+
+# What kvcached's engines get for the model runner: V1 where vLLM still has it (not 0.34).
+V1_RUNNER_ENV = "0" if compat.HAS_V1_MODEL_RUNNER else None
 
 FAKE = Path(__file__).resolve().parent / "support" / "fake_vllm_server.py"
 FAKE_CMD = (
@@ -119,8 +123,9 @@ def test_plan_same_gpu_roles_ports_side_channels_and_memory_share() -> None:
     assert _arg(prefill.argv, "--block-size") == "16"
     assert _arg(prefill.argv, "--max-model-len") == "2048"
     assert prefill.argv[-1] == "--enforce-eager"  # passthrough comes last
-    # kvcached needs vLLM's V1 model runner; its layout variable is passed through.
-    assert prefill.env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    # kvcached needs vLLM's V1 model runner (0.34 has none and refuses the variable); its
+    # layout variable is passed through.
+    assert prefill.env.get("VLLM_USE_V2_MODEL_RUNNER") == V1_RUNNER_ENV
     assert prefill.env["KVCACHED_CONTIGUOUS_LAYOUT"] == "false"
 
 
@@ -222,7 +227,7 @@ def test_pd_deployment_starts_serves_and_stops_cleanly(tmp_path: Path) -> None:
     assert launches["prefill"]["kv_transfer_config"]["kv_role"] == "kv_producer"
     assert launches["decode"]["kv_transfer_config"]["kv_role"] == "kv_consumer"
     assert launches["prefill"]["env"]["FAKE_MARKER"] == "x1"
-    assert launches["decode"]["env"]["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert launches["decode"]["env"].get("VLLM_USE_V2_MODEL_RUNNER") == V1_RUNNER_ENV
     ports = {launches[r]["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"] for r in ("prefill", "decode")}
     assert len(ports) == 2
     # Each server ran in its own process group, and every group is gone after stop().

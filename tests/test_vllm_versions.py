@@ -1,10 +1,12 @@
-"""What differs between vLLM 0.26 and 0.33, on each release's real objects.
+"""What differs between vLLM 0.26, 0.33 and 0.34, on each release's real objects.
 
 vLLM 0.33 lays every KV cache group's layers into one buffer in the ``KVCacheLayout`` it
 resolves and hands over strided ``[B, H, N, C]`` views; the topology must find each
 owner's bytes in every layout vLLM can build. Sleep mode (0.33 calls it; the methods work
 on 0.26 too) must leave nothing registered with memory that is about to be released.
-Tests of one release skip on the other, saying why.
+vLLM 0.34 asks a connector how it reaches the KV memory before it decides to map it with
+driver virtual memory, and no longer names resumed requests. Tests of one release skip on
+the others, saying why.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from kvshare_connector.vllm import compat
 needs_layouts = pytest.mark.skipif(
     not compat.HAS_KV_CACHE_LAYOUT,
     reason=f"vLLM {compat.vllm_version()} has no KVCacheLayout (vLLM >= 0.29)",
+)
+needs_kv_cache_access = pytest.mark.skipif(
+    compat.KVCacheAccess is None,
+    reason=f"vLLM {compat.vllm_version()} does not ask connectors how they reach the KV (0.34)",
 )
 needs_failed_recving = pytest.mark.skipif(
     not compat.HAS_FAILED_RECVING,
@@ -135,6 +141,32 @@ def test_vllm_026_asks_for_no_layout():
     assert compat.cross_layer_blocks_default(kvcached_on=False) is True
 
 
+def test_the_releases_own_block_size(stack_topology):
+    """Without ``--block-size`` vLLM 0.34 makes 64-token blocks (0.26, 0.33: 16; the tests
+    build 16 on every release). The topology reads that geometry off vLLM's views too, and a
+    prefill and a decode that differ in it (two releases, both on their default) are told
+    apart group by group before a byte moves."""
+    from kvshare_connector.devtools.cpu_stack import BLOCK_SIZE, build_cpu_stack, topology_of
+    from kvshare_connector.layout.matching import differences
+
+    stack = build_cpu_stack("gemma4_e2b_shape", "per_layer", block_size=None)
+    topology = topology_of(stack)
+    _assert_geometry_is_the_views(stack, topology)
+    default = stack.vllm_config.cache_config.block_size
+    _, sixteen = stack_topology("gemma4_e2b_shape", "per_layer")
+    found = differences(sixteen, topology)
+    if default == BLOCK_SIZE:
+        assert found == []
+        return
+    pairs = list(zip(sixteen.groups, topology.groups, strict=True))
+    assert all(h.spec.block_size * BLOCK_SIZE == g.spec.block_size * default for g, h in pairs)
+    named = [f for f in found if " block_size: local " in f]
+    assert named == [
+        f"group {g.index} block_size: local {g.spec.block_size}, remote {h.spec.block_size}"
+        for g, h in pairs
+    ]
+
+
 # ---- sleep mode: unregister and restore ---------------------------------------------------
 
 
@@ -226,3 +258,64 @@ def test_failed_load_follows_vllms_fail_policy():
 def test_loads_restore_every_group(stack_topology):
     stack, _ = stack_topology("g4tiny", "per_layer")
     assert compat.transfer_group_ids(stack.kv_cache_config) == tuple(range(6))
+
+
+# ---- vLLM 0.34: how the connector reaches the KV memory -----------------------------------
+
+
+def _transfer_config(connector: str, extra: dict[str, Any]) -> Any:
+    from vllm.config import KVTransferConfig
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # as EngineArgs does: registers KVShareConnector by name
+    return KVTransferConfig(
+        kv_connector=connector, kv_role="kv_both", kv_connector_extra_config=extra
+    )
+
+
+@needs_kv_cache_access
+def test_vllm_learns_that_the_nixl_backend_registers_its_kv():
+    """vLLM 0.34's own questions, answered through its factory from the connector class:
+    NIXL registers the KV with UCX and a peer on the host maps it (one physical allocation
+    per segment, FABRIC handles), so vLLM keeps driver-mapped memory off without an IMEX
+    channel; LMCache copies in-process. The control: a connector that declares nothing
+    (vLLM's ExampleConnector) is taken to be in-process, which for NIXL would hand UCX
+    memory that a peer cannot map."""
+    from vllm.v1.worker.extensible_kv_cache import kv_cache_export_handle_types
+
+    access = compat.KVCacheAccess
+    nixl = _transfer_config("KVShareConnector", {})
+    assert nixl.kv_cache_access() == access.REGISTERS | access.EXPORTS_FABRIC
+    assert nixl.registers_kv_cache_memory()
+
+    class Config:
+        kv_transfer_config = nixl
+
+    assert kv_cache_export_handle_types(Config()) != 0  # FABRIC: exportable to the peer
+    lmcache = _transfer_config("KVShareConnector", {"backend": "lmcache"})
+    assert lmcache.kv_cache_access() == access.IN_PROCESS
+    assert not lmcache.registers_kv_cache_memory()
+    plain = _transfer_config("ExampleConnector", {})
+    assert plain.kv_cache_access() == access.IN_PROCESS and not plain.registers_kv_cache_memory()
+
+
+def test_resumed_requests_by_release():
+    """Which scheduled requests bring their whole block table again: 0.33 names resumed ones
+    among the cached requests, 0.34 sends them as new ones (none of its cached requests is
+    resumed). Read off the ``SchedulerOutput`` each release builds."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from kvshare_connector.vllm.scheduler import scheduled_requests
+
+    output = SchedulerOutput.make_empty()
+    cached = output.scheduled_cached_reqs
+    cached.req_ids.append("r0")
+    cached.new_block_ids.append(([7],))
+    cached.num_computed_tokens.append(64)
+    if hasattr(cached, "resumed_req_ids"):
+        cached.resumed_req_ids.add("r0")
+    output.num_scheduled_tokens["r0"] = 1
+
+    (step,) = scheduled_requests(output)
+    assert step.restarted == hasattr(cached, "resumed_req_ids")
+    assert step.new_block_ids == ([7],) and step.num_computed_tokens == 64

@@ -1,6 +1,6 @@
 """vLLM's real KV cache objects for a Gemma-4 model, built on a host without a GPU.
 
-Used by the demo and the tests, on vLLM 0.26 and 0.33. Everything comes from vLLM itself
+Used by the demo and the tests, on vLLM 0.26 to 0.34. Everything comes from vLLM itself
 (0.26's functions named here; 0.33's below): the model
 (``Gemma4ForCausalLM`` on the meta device, so its ``Attention`` layers carry the real
 sharing map and specs), ``get_kv_cache_configs`` (groups, HMA block sizes, shared
@@ -38,6 +38,10 @@ from kvshare_connector.common.files import write_atomic
 from kvshare_connector.toolkit.procs import pick_free_port
 
 MODELS = ("gemma4_e2b_shape", "g4tiny", "g4uniform", "gemma4_e2b_kv4")  # kv4: 4 KV heads (TP)
+# Tokens per block unless told: vLLM's default up to 0.33 (0.34's is 64). One geometry on every
+# release keeps the tests' block counts and the demo's the same; ``block_size=None`` builds
+# with the release's own default.
+BLOCK_SIZE = 16
 LAYOUTS = ("per_layer", "cross_layer", "kvcached_contiguous", "kvcached_per_layer")
 # vLLM >= 0.29: its KVCacheLayout names (logical [L, B, H, N, C] in physical order).
 VLLM_LAYOUTS = ("LBNHC", "LBHNC", "LHBNC", "BLNHC", "BLHNC", "BHLNC")
@@ -155,11 +159,13 @@ def build_cpu_stack(
     kvcached_spare_blocks: int = 64,
     max_model_len: int = 2048,
     kv_heads: int | None = None,
+    block_size: int | None = BLOCK_SIZE,
 ) -> CpuKVStack:
     """Build the KV memory of ``model`` in ``layout`` from vLLM's own functions.
 
     ``kv_heads``: override the model's KV head count, to build what one TP rank holds
-    (a rank of TP ``t`` over ``H`` split heads holds ``H / t``)."""
+    (a rank of TP ``t`` over ``H`` split heads holds ``H / t``). ``block_size``: tokens per
+    block as ``--block-size`` sets it (None: the release's default)."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.v1.worker.gpu import attn_utils
@@ -171,7 +177,7 @@ def build_cpu_stack(
         raise ValueError(f"unknown layout {layout!r}; choose from {known}")
     root = Path(workdir) if workdir is not None else _models_root()
     vllm_config = _cpu_vllm_config(
-        model_dir(model, root), kv_transfer_config, max_model_len, kv_heads
+        model_dir(model, root), kv_transfer_config, max_model_len, kv_heads, block_size
     )
     sharing, specs = _build_model(vllm_config)
     if compat.HAS_KV_CACHE_LAYOUT:
@@ -199,10 +205,14 @@ def build_cpu_stack(
 
 
 def _cpu_vllm_config(
-    path: Path, kv_transfer_config: Any, max_model_len: int, kv_heads: int | None
+    path: Path,
+    kv_transfer_config: Any,
+    max_model_len: int,
+    kv_heads: int | None,
+    block_size: int | None,
 ) -> Any:
     """vLLM's config of the model at ``path`` on the CPU, with HMA on as on CUDA."""
-    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()  # as EngineArgs does: registers KVShareConnector by name
@@ -218,6 +228,7 @@ def _cpu_vllm_config(
     )
     vllm_config = VllmConfig(
         model_config=model_config,
+        cache_config=CacheConfig(block_size=block_size) if block_size else CacheConfig(),
         device_config=DeviceConfig(device="cpu"),
         kv_transfer_config=kv_transfer_config,
     )

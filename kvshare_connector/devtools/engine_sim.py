@@ -1,4 +1,4 @@
-"""Drive KVShareConnector the way vLLM's engine core and model runner do, on CPU (0.26, 0.33).
+"""Drive KVShareConnector the way vLLM's engine core and model runner do, on CPU (0.26-0.34).
 
 Real: vLLM's ``Scheduler`` (block pool, HMA groups, connector hooks, request states), the
 connector created by vLLM's factory in both roles, vLLM-made KV tensors (``cpu_stack``)
@@ -141,7 +141,7 @@ class Engine:
         )
 
     def step(self) -> None:
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import KVConnectorOutput
 
         out = self.scheduler.schedule()
         self.worker.bind_connector_metadata(out.kv_connector_metadata)
@@ -181,11 +181,8 @@ class Engine:
         )
         self.worker.clear_connector_metadata()
         req_ids = list(sampled)
-        model_output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[sampled[r] for r in req_ids],
-            kv_connector_output=kv_output,
+        model_output = compat.model_runner_output(
+            req_ids, [sampled[r] for r in req_ids], kv_output
         )
         for req_id in recving or ():
             if req_id in self.scheduler.requests:

@@ -11,8 +11,9 @@ Conventions worth knowing:
 * engines that share a GPU start one after the other by default, because vLLM's memory
   profiling at startup misreads memory that another engine is allocating at the same time;
 * ``ENABLE_KVCACHED=true`` implies ``VLLM_USE_V2_MODEL_RUNNER=0`` (kvcached 0.1.6 refuses
-  vLLM 0.26's V2 model runner) unless that variable is set explicitly, and ``check`` refuses
-  it where kvcached is missing or does not adapt the installed vLLM (0.1.6: up to 0.30);
+  vLLM 0.26's V2 model runner; not on 0.34, which has no other) unless that variable is set
+  explicitly, and ``check`` refuses it where kvcached is missing or does not adapt the
+  installed vLLM (0.1.6: up to 0.30);
 * ``--server-cmd`` (or ``KVSHARE_SERVER_CMD``) replaces ``{vllm} serve {model} --host {host}
   --port {port}``, e.g. with tests/support/fake_vllm_server.py; the vLLM options follow it;
   ``{vllm}`` is the ``vllm`` beside the running Python (its virtualenv), else on PATH;
@@ -228,9 +229,17 @@ def engine_env(cfg: ServeConfig, gpu: str, side_channel_port: int | None) -> dic
         given = SECRET_ENV in env or os.environ.get(SECRET_ENV)
         if not given and "side_channel_secret" not in cfg.kv_extra_config:
             env[SECRET_ENV] = cfg.side_channel_secret
-    if kvcached_enabled(env) and "VLLM_USE_V2_MODEL_RUNNER" not in env:
+    if kvcached_enabled(env) and "VLLM_USE_V2_MODEL_RUNNER" not in env and _has_v1_runner():
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     return env
+
+
+def _has_v1_runner() -> bool:
+    """Whether the installed vLLM still has the V1 model runner (0.34 has not, and stops
+    an engine started with ``VLLM_USE_V2_MODEL_RUNNER=0``); imported only under kvcached."""
+    from kvshare_connector.vllm import compat
+
+    return compat.HAS_V1_MODEL_RUNNER
 
 
 def kvcached_enabled(env: dict[str, str]) -> bool:

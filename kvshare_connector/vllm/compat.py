@@ -1,4 +1,4 @@
-"""The differences between the vLLM releases the connector supports (0.26.0 .. 0.33.0).
+"""The differences between the vLLM releases the connector supports (0.26.0 .. 0.34.0).
 
 Each difference is detected from what vLLM ships (a module, a class, a method), not from its
 version string, so a release in between works as far as the features it has. Nothing here
@@ -13,14 +13,26 @@ changes vLLM; the connector only chooses which of vLLM's hooks to answer.
   ``kv_load_failure_policy`` recomputes or fails them under any number of groups.
 * Sleep mode (0.33): ``unregister_kv_caches`` before the KV memory is released,
   ``restore_kv_caches`` after it is mapped again.
+* KV memory (0.34): on CUDA vLLM maps the KV cache with driver virtual memory and sizes it
+  from the memory free after warm-up (the "extensible KV cache"), unless
+  ``--kv-cache-memory-bytes`` is given or a connector's ``kv_cache_access`` rules it out;
+  a connector that registers the memory with UCX must say so (``kv_cache_access``).
+* Model runner (0.34): V1 is gone, and ``VLLM_USE_V2_MODEL_RUNNER=0`` stops the engine.
+* Scheduler output (0.34): a resumed request comes as a new one (whole block table);
+  ``CachedRequestData.resumed_req_ids`` and ``ModelRunnerOutput.req_id_to_index`` are gone.
+* Block size (0.34): 64 tokens unless ``--block-size`` says otherwise (16 before). Nothing
+  to absorb: the topology reads any size, and the handshake names a prefill and a decode
+  that differ in it (two releases on their defaults).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from collections.abc import Iterable
 from typing import Any
 
+from vllm.config import kv_transfer as _kv_transfer
 from vllm.distributed.kv_transfer.kv_connector.v1 import base as _base
 
 from kvshare_connector.common.log import get_logger
@@ -37,6 +49,11 @@ TransferResults: Any = getattr(_base, "KVConnectorTransferResults", None)
 HAS_FAILED_RECVING = TransferResults is not None
 # vLLM >= 0.33: sleep mode tells the connector before the KV memory goes away.
 HAS_SLEEP_HOOKS = hasattr(_base.KVConnectorBase_V1, "unregister_kv_caches")
+
+# vLLM >= 0.34: connectors state how they reach the KV memory (KVCacheAccess flags).
+KVCacheAccess: Any = getattr(_kv_transfer, "KVCacheAccess", None)
+# vLLM <= 0.33: the V1 model runner (kvcached 0.1.6's) still ships.
+HAS_V1_MODEL_RUNNER = importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
 
 # Dim labels of the per-layer view every vLLM >= 0.29 connector receives: logical
 # [blocks, kv heads, tokens, K|V content]; the physical order lives in its strides.
@@ -133,3 +150,41 @@ def p2p_cache_hit_source() -> Any:
     except ImportError:
         return None
     return getattr(CacheHitSource, "P2P", None)
+
+
+def kv_cache_access(backend: str) -> Any:
+    """``kv_cache_access``'s answer (vLLM >= 0.34; None before): how the workers reach the KV.
+
+    The NIXL backend registers the device KV with UCX, and a decode on the same host maps
+    it through cuda_ipc: ``REGISTERS | EXPORTS_FABRIC``, as vLLM's NixlConnector answers.
+    vLLM then keeps its extensible KV cache (driver-mapped memory) off unless the host has
+    an IMEX channel for FABRIC handles, so the cuda_ipc zero-copy lane stays; the default
+    (in-process) would get driver-mapped memory that UCX cannot export to the peer. LMCache
+    copies the KV with torch inside the engine's process: in-process.
+    """
+    if KVCacheAccess is None:
+        return None
+    if backend == "nixl":
+        return KVCacheAccess.REGISTERS | KVCacheAccess.EXPORTS_FABRIC
+    return KVCacheAccess.IN_PROCESS
+
+
+def resumed_request_ids(cached_requests: Any) -> set[str]:
+    """Cached (already running) requests whose block table vLLM sent whole again.
+
+    vLLM <= 0.33 names resumed requests in ``resumed_req_ids``; from 0.34 a resumed
+    request comes among the new ones, so no cached request is resumed."""
+    return set(getattr(cached_requests, "resumed_req_ids", ()))
+
+
+def model_runner_output(req_ids: list[str], sampled: list[list[int]], kv_output: Any) -> Any:
+    """The ``ModelRunnerOutput`` of a step (the fields vLLM's scheduler reads); vLLM <= 0.33
+    also wants ``req_id_to_index``."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    extra: dict[str, Any] = {}
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+        extra["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+    return ModelRunnerOutput(
+        req_ids=req_ids, sampled_token_ids=sampled, kv_connector_output=kv_output, **extra
+    )

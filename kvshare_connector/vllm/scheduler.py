@@ -262,12 +262,11 @@ def scheduled_requests(scheduler_output: Any) -> list[ScheduledRequest]:
         )
         for r in scheduler_output.scheduled_new_reqs
     ]
+    resumed = compat.resumed_request_ids(cached)
     for rid, new_ids, computed in zip(
         cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
     ):
         steps.append(
-            ScheduledRequest(
-                rid, new_ids, rid in cached.resumed_req_ids, computed, counts.get(rid, 0), None
-            )
+            ScheduledRequest(rid, new_ids, rid in resumed, computed, counts.get(rid, 0), None)
         )
     return steps

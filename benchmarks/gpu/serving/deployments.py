@@ -57,13 +57,16 @@ class Planned:
 
 
 def kvcached_env(mode: str) -> dict[str, str]:
-    """kvcached 0.1.6 supports vLLM 0.26's V1 model runner only."""
+    """kvcached 0.1.6 supports vLLM 0.26's V1 model runner only (vLLM 0.34 has no V1 runner
+    and refuses the variable: there kvcached's own error is left to say why it stops)."""
     if mode == "none":
         return {"ENABLE_KVCACHED": "false"}
+    from kvshare_connector.vllm import compat
+
     return {
         "ENABLE_KVCACHED": "true",
         "KVCACHED_CONTIGUOUS_LAYOUT": "true" if mode == "contiguous" else "false",
-        "VLLM_USE_V2_MODEL_RUNNER": "0",
+        **({"VLLM_USE_V2_MODEL_RUNNER": "0"} if compat.HAS_V1_MODEL_RUNNER else {}),
     }
 
 
