@@ -84,25 +84,32 @@
 #            whose cores are not oversubscribed (in the 6-engine runs the host's landing took
 #            0.54-0.77 ms at 16k x 1; alone, bench_armed_landing's scatter, without digests,
 #            was launched in 0.12 ms and in place 0.27 ms after the post, 2026-12-06g)
-#   kvcached033  (STACK=033) kvcached 0.1.6 built against vLLM 0.33's torch and `vllm serve`
-#            with ENABLE_KVCACHED=true: whether the engine serves or stops, and its message
+#   kvcached033, kvcached034  (STACK=033 / 034) kvcached 0.1.6 built against that stack's
+#            torch and `vllm serve` with ENABLE_KVCACHED=true: whether the engine serves or
+#            stops, and its message (the sdist: the 0.34 stack's /tmp/gpu034-sdists, else the
+#            0.26 install's /tmp/gpu-wheels)
+#   sizing   how vLLM sizes the KV cache at start (issue 47: 0.34 maps it with driver virtual
+#            memory and sizes it after warm-up, unless --kv-cache-memory-bytes is given or a
+#            connector's kv_cache_access rules it out): one engine with our connector (NIXL
+#            backend), then one plain, each alone on the GPU with --gpu-memory-utilization 0.3
+#            and no --kv-cache-memory-bytes; sizing.log keeps each engine's sizing lines
 #   faults   the fault matrix (issue 25): FAULT_CASES (default c d e f: prefill hung,
 #            prefill dies before a release, a side-channel flood, the decode that never
 #            comes) in FAULT_VARIANTS (default 1p1d; also 1p2d 2p1d router router-1p2d noverify);
 #            add 0 (the fault-free run: the throughput column's reference) and g (small pools)
 #
-# STACK=033 runs the steps on vLLM 0.33.0 (after bash scripts/gpu/install033.sh) with its
-# default model runner (V2) and FlashInfer's sampler off (it JIT-builds on first use, minutes
-# of device time, and samples nothing the KV depends on); KVX_CELLS names kv_exact's cells.
+# STACK=033 (or 034) runs the steps on vLLM 0.33.0 (0.34.0), after bash
+# scripts/gpu/install033.sh (install034.sh), with its model runner (V2; 0.34 has no other) and
+# FlashInfer's sampler off (it JIT-builds on first use, minutes of device time, and samples
+# nothing the KV depends on); KVX_CELLS names kv_exact's cells.
 set -u
 OUT=${OUT:?set OUT}
 mkdir -p "$OUT"
-if [ "${STACK:-026}" = 033 ]; then
-  . scripts/gpu/env033.sh
-  export VLLM_USE_FLASHINFER_SAMPLER=0
-else
-  . .gpu/bin/env.sh
-fi
+case "${STACK:-026}" in
+  033|034) . "scripts/gpu/env$STACK.sh"; export VLLM_USE_FLASHINFER_SAMPLER=0 ;;
+  026) . .gpu/bin/env.sh ;;
+  *) echo "STACK: 026, 033 or 034, not $STACK" >&2; exit 2 ;;
+esac
 python3 -c 'import vllm, torch; print("vLLM", vllm.__version__, "torch", torch.__version__)' \
   > "$OUT/stack.txt" 2>&1
 unset UCX_CUDA_IPC_ENABLE_GET_ZCOPY UCX_RMA_PPLN_ENABLE
@@ -136,6 +143,22 @@ serve() {  # LEN PROMPTS NAME (PROMPTS at concurrency 16)
     --time-budget "${TIME_BUDGET:-330}" --grace 10 --keep-raw \
     > "$OUT/$3.log" 2>&1
   rc=$?; echo "$3: exit $rc"; pack "$3"
+}
+
+lone_engine() {  # LOG PORT VLLM-SERVE-ARGS...: start one `vllm serve`, wait until it serves
+                 # or exits (240 s at most), stop it; prints the verdict, the log keeps the rest
+  local log=$1 port=$2 pid verdict="still starting after 240 s"
+  shift 2
+  vllm serve "$E2B" --port "$port" "$@" >> "$log" 2>&1 &
+  pid=$!
+  for _ in $(seq 240); do
+    if ! kill -0 "$pid" 2>/dev/null; then wait "$pid"; verdict="engine exited ($?)"; break; fi
+    if python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=2)" \
+      2>/dev/null; then verdict="engine serving"; break; fi
+    sleep 1
+  done
+  kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+  echo "$verdict"
 }
 
 ours_curve() {  # NAME ARGS...: three variants of ours (6 engines), eager, 2 GiB of KV each
@@ -278,23 +301,30 @@ for step in "$@"; do
         --bench-timeout 240 --keep-raw > "$OUT/loads.log" 2>&1
       rc=$?; echo "loads: exit $rc"; pack loads
       ;;
-    kvcached033)
-      # What a user of vLLM 0.33 gets with kvcached 0.1.6 (issue 24): kvcached built against
-      # 0.33's torch from the sdist the 0.26 install unpacked, then `vllm serve` with
-      # ENABLE_KVCACHED=true; kvcached.log tells whether the engine stopped (and why) or served.
-      [ "${STACK:-026}" = 033 ] || { echo "kvcached033: run with STACK=033" >&2; exit 2; }
+    kvcached033|kvcached034)
+      # What a user of vLLM 0.33 / 0.34 gets with kvcached 0.1.6 (issues 24, 47): kvcached
+      # built against the stack's torch, then `vllm serve` with ENABLE_KVCACHED=true;
+      # kvcached$STACK.log tells whether the engine stopped (and why) or served.
+      [ "${STACK:-026}" = "${step#kvcached}" ] || { echo "$step: run with STACK=${step#kvcached}" >&2; exit 2; }
       weights
-      log="$OUT/kvcached033.log"
+      log="$OUT/$step.log" kvc="/tmp/$step"
+      sdist="/tmp/gpu$STACK-sdists/kvcached-0.1.6.tar.gz"
+      [ -f "$sdist" ] || sdist=/tmp/gpu-wheels/kvcached-0.1.6.tar.gz
       # Built once per lease (it may have been built ahead, niced, while another step ran).
-      if [ -d /tmp/kvcached033/kvcached ]; then echo "kvcached: built before" > "$log"; else
+      if [ -d "$kvc/kvcached" ]; then echo "kvcached: built before" > "$log"; else
         (cd /tmp && python3 -m pip install -q --no-build-isolation --no-deps --no-cache-dir \
-          --target /tmp/kvcached033 /tmp/gpu-wheels/kvcached-0.1.6.tar.gz) > "$log" 2>&1
-        echo "kvcached build: exit $?" >> "$log"
+          --target "$kvc" "$sdist") > "$log" 2>&1
+        echo "kvcached build ($sdist): exit $?" >> "$log"
       fi
+      # Its autopatch hook is a .pth, which only a site directory reads; the 0.26 install put
+      # one in the host's; without that stack in the lease, this puts it there (inert unless
+      # ENABLE_KVCACHED is on, and it finds kvcached on PYTHONPATH only).
+      host_site=$(PYTHONPATH= python3 -c 'import site; print(site.getsitepackages()[0])')
+      [ -f "$host_site/kvcached_autopatch.pth" ] || cp "$kvc/kvcached_autopatch.pth" "$host_site/"
       # The flags every bench_serving engine gets (tokenizer, Gemma-4 overrides, attention).
       mapfile -t flags < <(python3 -m benchmarks.gpu.bench_serving --engine-flags \
         --model-dir "$E2B" --enforce-eager --kv-cache-gib 2)
-      ENABLE_KVCACHED=true KVCACHED_AUTOPATCH=1 PYTHONPATH="/tmp/kvcached033:$PYTHONPATH" \
+      ENABLE_KVCACHED=true KVCACHED_AUTOPATCH=1 PYTHONPATH="$kvc:$PYTHONPATH" \
         vllm serve "$E2B" --port 8193 --gpu-memory-utilization 0.2 --max-model-len 4096 \
         "${flags[@]}" >> "$log" 2>&1 &
       pid=$!; verdict="still starting after 240 s"
@@ -308,12 +338,31 @@ for step in "$@"; do
         python3 -c 'import json, sys, urllib.request as u
 body = json.dumps({"model": sys.argv[1], "prompt": "one two three", "max_tokens": 8}).encode()
 req = u.Request("http://127.0.0.1:8193/v1/completions", body, {"Content-Type": "application/json"})
-print("kvcached033 completion:", json.load(u.urlopen(req, timeout=60))["usage"])' "$E2B" \
+print("kvcached completion:", json.load(u.urlopen(req, timeout=60))["usage"])' "$E2B" \
           2>&1 | tail -n 1 | tee -a "$log"
       fi
       kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
-      echo "kvcached033: $verdict" | tee -a "$log"
+      echo "$step: $verdict" | tee -a "$log"
       grep -m3 -E "KVCachedConfigError|runner adapter|kvcached" "$log"
+      ;;
+    sizing)
+      weights
+      log="$OUT/sizing.log"; : > "$log"
+      mapfile -t flags < <(python3 -m benchmarks.gpu.bench_serving --engine-flags \
+        --model-dir "$E2B" --enforce-eager)
+      flags+=(--gpu-memory-utilization 0.3 --max-model-len 4096)
+      ours='{"kv_connector":"KVShareConnector","kv_connector_module_path":"kvshare_connector","kv_role":"kv_both"}'
+      for engine in ours plain; do
+        echo "=== $engine" >> "$log"
+        if [ "$engine" = ours ]; then
+          verdict=$(VLLM_NIXL_SIDE_CHANNEL_PORT=15990 lone_engine "$log" 8194 "${flags[@]}" \
+            --kv-transfer-config "$ours")
+        else
+          verdict=$(lone_engine "$log" 8194 "${flags[@]}")
+        fi
+        echo "sizing $engine: $verdict" | tee -a "$log"
+      done
+      grep -E "^=== |^sizing |[Ee]xtensible KV cache|Extended KV cache|Memory after warmup|Available KV cache memory|GPU KV cache size|KVShareConnector .*registered" "$log" | cut -c1-300
       ;;
     nudge)
       weights

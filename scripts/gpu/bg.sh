@@ -10,8 +10,9 @@
 #   bash scripts/gpu/bg.sh stop NAME [S]      SIGTERM to NAME's session, then wait up to S s (60)
 #   bash scripts/gpu/bg.sh status             a line per job: running, or its exit status
 #
-# The copy leaves out the stacks' parts (.gpu/cNN, .gpu033/cNN): a job never reads them, and a
-# later call that carries other parts must not change the tree a running job imports from.
+# The copy leaves out the stacks' parts (.gpu/cNN, .gpu033/cNN, .gpu034/cNN): a job never reads
+# them, and a later call that carries other parts must not change the tree a running job
+# imports from.
 set -u
 BG=/tmp/bg
 cmd=${1:?start, stop, wait, collect or status}
@@ -35,8 +36,8 @@ case "$cmd" in
     [ -n "$name" ] && [ -n "${3:-}" ] || { echo "usage: bg.sh start NAME 'CMD'" >&2; exit 2; }
     [ "$(state "$name")" = running ] && { echo "bg $name: already running" >&2; exit 2; }
     rm -rf "$job" && mkdir -p "$job/tree" "$job/out"
-    tar cf - --exclude='./.gpu/c[0-9]*' --exclude='./.gpu033/c[0-9]*' --exclude=./.git \
-      --exclude='./.venv*' --exclude=./results . \
+    tar cf - --exclude='./.gpu/c[0-9]*' --exclude='./.gpu033/c[0-9]*' \
+      --exclude='./.gpu034/c[0-9]*' --exclude=./.git --exclude='./.venv*' --exclude=./results . \
       | tar xf - -C "$job/tree"
     # The job writes its own pid: under job control (the device runner's `set -m`) setsid
     # forks, and the pid of the process started here is gone at once.

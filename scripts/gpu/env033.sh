@@ -3,7 +3,7 @@
 # Use one stack per shell: this drops the 0.26 stack's /tmp/site from PYTHONPATH and PATH.
 SITE033=/tmp/site033
 _kvs033_strip() {  # a colon list without /tmp/site[033] entries and without repeats
-  printf '%s' "$1" | tr ':' '\n' | grep -vE '^/tmp/site(033)?(/.*)?$' | awk 'NF && !seen[$0]++' | paste -sd: -
+  printf '%s' "$1" | tr ':' '\n' | grep -vE '^/tmp/site(03[34])?(/.*)?$' | awk 'NF && !seen[$0]++' | paste -sd: -
 }
 _kvs033_pp=$(_kvs033_strip "${PYTHONPATH:-}")
 # /tmp/site033 first, so torch 2.14 and the rest shadow the host's torch 2.11 stack. CuTe DSL
