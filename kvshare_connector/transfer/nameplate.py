@@ -75,6 +75,7 @@ class _Reading:
     handle: Any
     slot: int
     started: float
+    looked: int  # the round it was last looked at
 
 
 class Nameplates:
@@ -89,6 +90,12 @@ class Nameplates:
         self._free = list(range(SLOTS))
         self._reading: dict[str, _Reading] = {}  # agent -> its READ in flight
         self._checked: dict[str, str] = {}  # agent -> the destination it named
+        self._round = 0
+
+    def next_round(self) -> None:
+        """A new advance: a READ in flight is looked at once per round, so every read of
+        one prefill sees the same answer in one step (and is claimed in one message)."""
+        self._round += 1
 
     def verified(self, agent: str, ref: tuple[int, int] | None, where: str) -> bool:
         """True once ``agent``'s nameplate (at ``ref``: address, bytes) is read and names
@@ -127,7 +134,10 @@ class Nameplates:
             except TransportError as exc:
                 self._free.append(slot)
                 raise PeerIdentityError(f"the nameplate of {where} cannot be read: {exc}") from exc
-            reading = self._reading[agent] = _Reading(handle, slot, time.monotonic())
+            reading = self._reading[agent] = _Reading(handle, slot, time.monotonic(), -1)
+        if reading.looked == self._round:
+            return None
+        reading.looked = self._round
         state = self.transport.state(reading.handle)
         if state == "PROC" and time.monotonic() - reading.started < self.timeout_s:
             return None

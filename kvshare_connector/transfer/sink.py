@@ -168,6 +168,7 @@ class KVSink:
         self.peers.pump()  # claims' answers that came in since the last call
         self.peers.next_round()
         self.lanes.next_round()
+        self.nameplates.next_round()
         now = time.monotonic()
         moving = []
         for read in list(self._reads.values()):
