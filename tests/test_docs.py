@@ -36,3 +36,16 @@ def test_every_docs_page_links_back_to_the_readme():
     assert len(pages) >= 8
     for page in pages:
         assert "(../README.md)" in page.read_text(), page.name
+
+
+def test_results_keep_evidence_not_archives():
+    """Each run under results/ is its write-up (README.md, or one per benchmark) and summary
+    data, at most 200 KB, no raw logs."""
+    runs = sorted(p for p in (ROOT / "results").glob("*/*") if p.is_dir())
+    assert runs
+    for run in runs:
+        files = [p for p in run.rglob("*") if p.is_file()]
+        assert any(p.suffix == ".md" for p in files), run
+        assert sum(p.stat().st_size for p in files) <= 200_000, run
+        raw = [p.name for p in files if p.suffix in {".log", ".tgz", ".gz", ".jsonl", ".err"}]
+        assert not raw, (run, raw)
