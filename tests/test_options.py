@@ -20,7 +20,6 @@ def test_defaults():
     assert o.secret is None and o.allowed_prefills is None and o.ucx_lane == "auto"
     assert o.nixl_progress_thread is True and o.cross_layer_blocks is None
     assert o.nixl_progress_poll_ms == 1.0  # the thread sleeps on UCX's events
-    assert o.armed_landing is False  # experimental (transfer/gates.py)
 
 
 def test_every_option_is_read_from_the_extra_config():
@@ -31,11 +30,11 @@ def test_every_option_is_read_from_the_extra_config():
         "allowed_prefills": ["10.0.0.1", "10.0.0.2:5600"], "ucx_lane": "off",
         "lane_probe_mib": 0.5, "nixl_progress_thread": False, "read_log": "/tmp/reads.jsonl",
         "lmcache": {"remote_url": "lm://h:1"}, "switch_interval_ms": "0.5",
-        "layer_nudge_ms": 0, "nixl_progress_poll_ms": "0", "armed_landing": "true",
+        "layer_nudge_ms": 0, "nixl_progress_poll_ms": "0",
     }  # fmt: skip
     o = ConnectorOptions.parse(extra, environ={})
     assert o.switch_interval_ms == 0.5 and o.layer_nudge_ms == 0
-    assert o.nixl_progress_poll_ms == 0.0 and o.armed_landing is True
+    assert o.nixl_progress_poll_ms == 0.0
     assert set(extra) == {f.name for f in dataclasses.fields(ConnectorOptions)}
     assert o.kv_lease_duration == 12.5 and o.cross_layer_blocks is False
     assert o.staging_bytes == 0 and o.verify_kv and o.secret == b"s3cret"
@@ -49,11 +48,11 @@ def test_environment_variables_and_the_extra_config_wins():
     environ = {
         "KVSHARE_SIDE_CHANNEL_SECRET": "from-env", "KVSHARE_SIDE_CHANNEL_INSECURE": "1",
         "KVSHARE_NIXL_PROGRESS_THREAD": "0", "KVSHARE_UCX_LANE": "off",
-        "KVSHARE_NIXL_PROGRESS_POLL_MS": "5", "KVSHARE_ARMED_LANDING": "1",
+        "KVSHARE_NIXL_PROGRESS_POLL_MS": "5",
     }  # fmt: skip
     o = ConnectorOptions.parse({}, environ=environ)
     assert o.secret == b"from-env" and o.side_channel_insecure
-    assert o.nixl_progress_poll_ms == 5.0 and o.armed_landing
+    assert o.nixl_progress_poll_ms == 5.0
     assert not o.nixl_progress_thread and o.ucx_lane == "off"
     o = ConnectorOptions.parse({"side_channel_secret": "mine", "ucx_lane": "auto"}, environ)
     assert o.secret == b"mine" and o.ucx_lane == "auto"

@@ -75,15 +75,14 @@
 #            plain TTFT at every point): ours plain, ours under kvcached contiguous and
 #            per-layer, first token from prefill (the proxy's default); CURVE_LEN (default
 #            16384) x CURVE_CONC (default 1 16), 3 rotated rounds
-#   kvreserve  ours plain, plain with armed_landing, and under kvcached contiguous with
+#   kvreserve  ours plain, and under kvcached contiguous with
 #            50-200 pages kept mapped (KVCACHED_MIN/MAX_RESERVED_PAGES; 5-10 by default;
 #            kvcurve's run has kvcached's default), CURVE_LEN (16384) x CURVE_CONC (1 16),
 #            3 rotated rounds
 #   landing  ours plain alone (2 engines, not 6-8 sharing the host's 16 cores), CURVE_LEN
 #            (16384) x CURVE_CONC (1 16), 3 rounds: the READ's posted -> in place on a host
 #            whose cores are not oversubscribed (in the 6-engine runs the host's landing took
-#            0.54-0.77 ms at 16k x 1; alone, bench_armed_landing's scatter, without digests,
-#            was launched in 0.12 ms and in place 0.27 ms after the post, 2026-12-06g)
+#            0.54-0.77 ms at 16k x 1)
 #   kvcached033, kvcached034  (STACK=033 / 034) kvcached 0.1.6 built against that stack's
 #            torch and `vllm serve` with ENABLE_KVCACHED=true: whether the engine serves or
 #            stops, and its message (the sdist: the 0.34 stack's /tmp/gpu034-sdists, else the
@@ -287,7 +286,7 @@ for step in "$@"; do
       python3 -m pip install -q --no-index --no-deps --target /tmp/pytest-site .gpu/pytest/*.whl \
         > "$OUT/gputests.log" 2>&1
       PYTHONPATH="/tmp/pytest-site:$PYTHONPATH" python3 -m pytest -q -p no:cacheprovider \
-        tests/gpu/test_gpu_streams.py tests/gpu/test_gpu_probe.py tests/gpu/test_gpu_gates.py \
+        tests/gpu/test_gpu_streams.py tests/gpu/test_gpu_probe.py \
         >> "$OUT/gputests.log" 2>&1
       echo "gputests: exit $?"
       ;;
@@ -400,9 +399,8 @@ print("kvcached completion:", json.load(u.urlopen(req, timeout=60))["usage"])' "
         --kvcached contiguous --kvcached-on ours-kvc ours-kvl=per_layer
       ;;
     kvreserve)  # 16k x 16 under kvcached was 1.10-1.13x plain (2026-12-06f), its prefill
-      # engine queueing longer: whether kvcached's page map/unmap on the engine's path is it;
-      # and, beside plain, plain with the armed landing (six engines fit an H100)
-      ours_curve kvreserve --ours-variants plain='{}' armed='{"armed_landing": true}' \
+      # engine queueing longer: whether kvcached's page map/unmap on the engine's path is it
+      ours_curve kvreserve --ours-variants plain='{}' \
         kvr='{}' --kvcached contiguous --kvcached-on ours-kvr \
         --variant-env ours-kvr:KVCACHED_MIN_RESERVED_PAGES=50 \
         ours-kvr:KVCACHED_MAX_RESERVED_PAGES=200

@@ -48,9 +48,8 @@ def rows(records: list[dict]) -> list[tuple[str, list[float]]]:
     out.append(("prefill answering the claim", answer))
     if answer:
         out.append(("claims per read (count, not ms)", [float(r.get("claims", 1)) for r in moved]))
-    # arrived -> launched, on decode's host (armed_landing: "open" instead of "scatter", and
-    # "rescatter" after a gate the keeper opened early; "armed" right after the post)
-    for part in ("release", "scatter", "open", "rescatter", "digests", "armed"):
+    # arrived -> launched, on decode's host
+    for part in ("release", "scatter", "digests"):
         out.append((f"landing on the host: {part}", [
             r["landing_host"][part] * 1e3 for r in moved if part in (r.get("landing_host") or {})
         ]))  # fmt: skip

@@ -32,7 +32,6 @@ from kvshare_connector.common.log import LogBudget, get_logger
 from kvshare_connector.layout.topology import BlockIds, KVTopology
 from kvshare_connector.transfer import lanes
 from kvshare_connector.transfer.digests import Digester
-from kvshare_connector.transfer.gates import StreamGates
 from kvshare_connector.transfer.kv_params import RemotePrefillParams
 from kvshare_connector.transfer.nixl import NixlTransport
 from kvshare_connector.transfer.packing import MemoryMap, Packer, StagingArea
@@ -126,10 +125,8 @@ class NixlWorker(WorkerBackend):
                 probe=self._probe(device, seed=secrets.randbits(62)),
                 lane=lanes.LaneInfo(lanes.effective(), kv_ipc_capable),
             )
-        gating = None
         if c.consumes:
             packers.append(self._packer(memory, device))
-            gating = self._gates(packers[-1], device)
             self.sink = ShardedSink(
                 shard,
                 topology,
@@ -151,8 +148,6 @@ class NixlWorker(WorkerBackend):
         packing = f"on ({staging / 2**20:.0f} MiB staging)" if staging else "off"
         line += f"; packed transfer {packing}"
         line += f"; verify_kv {'on' if digester else 'off'}"
-        if gating is not None:
-            line += f"; armed landing {gating}"
         line += f"; thread switch interval {sys.getswitchinterval() * 1e3:g} ms"
         line += f"; NIXL progress thread {transport.progress_mode}"
         return line + f"; UCX lane: {plan.describe()}"
@@ -167,16 +162,6 @@ class NixlWorker(WorkerBackend):
         except Exception as exc:  # e.g. no room on the device: slower, still correct
             logger.warning("packed transfer off: %s: %s", type(exc).__name__, exc)
             return None
-
-    def _gates(self, packer: Packer | None, device: Any) -> str:
-        """Decode's packed scatters queued behind gates (``transfer.gates``), where the
-        option and the driver allow; what became of it, for the start line."""
-        if packer is None:
-            return "off (no packed transfer)"
-        if not self.context.options.armed_landing:
-            return "off (armed_landing false)"
-        packer.gates, how = StreamGates.create(device)
-        return how
 
     def _probe(self, device: Any, seed: int | None = None) -> ProbeBuffer | None:
         """The lane probe buffer (prefill: holding the pattern of ``seed``), or None."""

@@ -87,12 +87,6 @@ class ConnectorOptions:
     layer_nudge_ms: float = _option(2.0, "Decode: while reads are in flight, advance them "
                                     "from inside the forward (vLLM's per-layer hook) at "
                                     "most this often; 0: only at step boundaries.")
-    armed_landing: bool = _option(False, "Decode, on CUDA (experimental: slower on one "
-                                  "H200, where arming outlasts the READ): queue a packed "
-                                  "read's scatter right after its "
-                                  "post, behind a stream wait opened once NIXL says done "
-                                  "(or after 50 ms by a helper thread, then copied again).",
-                                  "KVSHARE_ARMED_LANDING")
     read_log: str | None = _option(None, "A path: decode appends one JSON line per finished "
                                    "read (bytes, descriptors, phase timeline).")
     lmcache: Mapping[str, Any] = _option(None, "The LMCache backend's own options "
@@ -192,7 +186,7 @@ _CHOICES = {"ucx_lane": ("auto", "off")}  # ``backend`` is checked by the regist
 
 
 def _convert(name: str, raw: Any, source: str) -> Any:
-    if name in ("side_channel_insecure", "nixl_progress_thread", "armed_landing"):
+    if name in ("side_channel_insecure", "nixl_progress_thread"):
         return _flag(raw, source)
     if name in ("cross_layer_blocks", "verify_kv"):
         return None if raw is None else _flag(raw, source)

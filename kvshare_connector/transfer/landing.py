@@ -16,7 +16,6 @@ was then seen done only after it.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import numpy as np
 
@@ -86,40 +85,9 @@ class Lander:
         s = packed.scatter
         return self.packer.plan_copy(s[:, 0], s[:, 2], s[:, 1])
 
-    def arm(self, read: Read) -> None:
-        """A packed READ was just posted: queue its scatter behind a gate (``transfer.gates``)
-        while the bytes are on their way, so that once they are there the host only opens
-        it. Unarmed (no gates, or all held) the scatter is launched at ``land``."""
-        t, gates = read.transfer, self.packer.gates if self.packer else None
-        if gates is None or t is None or t.packed is None or t.slot is None:
-            return
-        clock = time.perf_counter()
-        gate = gates.arm()
-        if gate is None:
-            return
-        # planned by now (ahead, or by ``plan_scatter`` at the post): kept, to copy again
-        t.armed_plan, read.scatter_plan = read.scatter_plan, None
-        try:
-            t.armed = self._scatter(t, t.armed_plan, stream=gate.stream)
-        except BaseException:
-            gate.open()
-            raise
-        t.gate = gate
-        read.lap("armed", clock)
-
-    def disarm(self, read: Read) -> None:
-        """The read failed: open its gate, if still held, and let the scatter behind it end
-        (it writes the request's blocks, which go back to vLLM once the failure is told)."""
-        t = read.transfer
-        if t is None or t.gate is None:
-            return
-        t.gate.open()
-        if t.armed is not None:
-            t.armed.wait()
-
     def land(self, read: Read) -> None:
-        """The READ is done: a packed request is scattered into its blocks (its gate opened,
-        when armed) and, with ``verify_kv``, decode digests its blocks after that, both on
+        """The READ is done: a packed request is scattered into its blocks and, with
+        ``verify_kv``, decode digests its blocks after that, both on
         the device; neither is waited for here (``Landing.ready`` is asked while the read
         is watched)."""
         t, plan = read.transfer, read.plan
@@ -127,21 +95,13 @@ class Lander:
         scatter = None
         clock = time.perf_counter()
         if t.packed is not None and t.slot is not None and self.packer:
-            if t.gate is not None:  # the bytes are there: the queued scatter may go
-                t.gate.open()
-                scatter = t.armed
-                clock = read.lap("open", clock)
-                if t.gate.early:  # held past its bound, it may have copied before the bytes
-                    scatter = self._scatter(t, t.armed_plan, after=t.armed)
-                    clock = read.lap("rescatter", clock)
             self.transport.release(t.handle)
             t.handle = None
             clock = read.lap("release", clock)
             failpoint("sink.before_scatter")
-            if scatter is None:
-                ahead, read.scatter_plan = read.scatter_plan, None
-                scatter = self._scatter(t, ahead)
-                clock = read.lap("scatter", clock)
+            ahead, read.scatter_plan = read.scatter_plan, None
+            scatter = self._scatter(t, ahead)
+            clock = read.lap("scatter", clock)
         digests = None
         if self.digester is not None and plan.verify:
             ahead = read.digest_plan
@@ -156,20 +116,11 @@ class Lander:
         read.phase = Phase.LAND
         read.mark("launched")
 
-    def _scatter(
-        self, t: Transfer, plan: CopyPlan | None, stream: Any = None, after: Copy | None = None
-    ) -> Copy:
+    def _scatter(self, t: Transfer, plan: CopyPlan | None) -> Copy:
         """``t``'s staging slot into its request's blocks (``Packer.scatter``)."""
         assert self.packer is not None and t.packed is not None and t.slot is not None
         s = t.packed.scatter
-        return self.packer.scatter(
-            s[:, 0], s[:, 2], s[:, 1], slot=t.slot, plan=plan, stream=stream, after=after
-        )
-
-    def close(self) -> None:
-        """No gate may stay held once the engine stops."""
-        if self.packer is not None and self.packer.gates is not None:
-            self.packer.gates.close()
+        return self.packer.scatter(s[:, 0], s[:, 2], s[:, 1], slot=t.slot, plan=plan)
 
     def landed(self, read: Read) -> None:
         """The scatter is done: the staging slot serves the next read."""

@@ -15,15 +15,12 @@ import contextlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from kvshare_connector.layout.staging import word_indices, word_size
 from kvshare_connector.layout.topology import Region
-
-if TYPE_CHECKING:  # gates.py imports this module (its streams are ``side_stream``s)
-    from kvshare_connector.transfer.gates import Gates
 
 ALIGN = 4096  # staging slots start on page boundaries: large words for the copy kernels
 # The largest word (row) a packed copy indexes by: E2B's runs are 32 KiB, so a 32k request's
@@ -247,13 +244,11 @@ def side_stream(device: Any) -> Any:
 class Packer:
     """Gathers a request's runs into a staging slot, or scatters a slot into blocks."""
 
-    def __init__(self, memory: MemoryMap, staging: StagingArea, gates: Gates | None = None):
+    def __init__(self, memory: MemoryMap, staging: StagingArea):
         self.memory = memory
         self.staging = staging
-        self.gates = gates  # decode's ``StreamGates``: scatters queued before the bytes land
         self._stream: Any = None
         if staging.buffer.device.type == "cuda":
-
             self._stream = side_stream(staging.buffer.device)
 
     def gather(
@@ -267,15 +262,14 @@ class Packer:
 
     def scatter(
         self, addr: np.ndarray, length: np.ndarray, staged: np.ndarray, slot: int = 0,
-        plan: CopyPlan | None = None, stream: Any = None, after: Copy | None = None,
+        plan: CopyPlan | None = None,
     ) -> Copy:  # fmt: skip
         """Copy ``staged`` offsets of the slot at ``slot`` (``length`` each) back to runs at
         ``addr``; ``plan``: made by ``plan_copy`` for these runs beforehand, with offsets
         relative to the slot (decode plans while its claim is out, before it has a slot),
-        so only the launch is left here. ``stream``: launch there instead (a gate's, see
-        ``transfer.gates``), still after the plan's upload; ``after``: behind that copy."""
+        so only the launch is left here."""
         plan = plan or self.plan_copy(addr, length, staged)
-        return self._launch(plan, False, wait=True, slot=slot, stream=stream, after=after)
+        return self._launch(plan, False, wait=True, slot=slot)
 
     def plan_copy(self, addr: np.ndarray, length: np.ndarray, staged: np.ndarray) -> CopyPlan:
         """The word indices of a copy between runs ``(addr, length)`` of the KV memory and
@@ -299,10 +293,7 @@ class Packer:
         index, seconds = upload_on(self._stream, both, self.staging.buffer.device)
         return CopyPlan(window, word, kv_idx.size, index, None, seconds)
 
-    def _launch(
-        self, plan: CopyPlan, to_staging: bool, wait: bool, slot: int = 0, stream: Any = None,
-        after: Copy | None = None,
-    ) -> Copy:  # fmt: skip
+    def _launch(self, plan: CopyPlan, to_staging: bool, wait: bool, slot: int = 0) -> Copy:
         """On the side stream, by default behind all the compute stream has queued. Not
         waiting is for bytes whose writes are known to be done: with vLLM's async
         scheduling the next step's forward is queued by then, and waiting for it cost a
@@ -314,16 +305,9 @@ class Packer:
         if plan.staged_at is None and slot % plan.word:
             raise ValueError(f"staging slot {slot} is not a multiple of {plan.word} bytes")
         device = self.staging.buffer.device
-        if stream is None:
-            stream = self._stream
-        elif self._stream is not None:  # the plan's indices were uploaded on ours
-            stream.wait_stream(self._stream)
-            # and come from our stream's pool: not to be reused before this copy has run
-            plan.index.record_stream(stream)
+        stream = self._stream
         if stream is not None and wait:
             stream.wait_stream(torch.cuda.current_stream(device))
-        if stream is not None and after is not None and after.event is not None:
-            stream.wait_event(after.event)
         with torch_stream(stream):
             kv = MemoryMap.rows_of(plan.window, plan.word)
             kv_i = plan.index[: plan.rows]

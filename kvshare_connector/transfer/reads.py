@@ -25,7 +25,6 @@ from kvshare_connector.layout.staging import PackedRead
 from kvshare_connector.layout.topology import BlockIds
 from kvshare_connector.transfer import kv_params, protocol
 from kvshare_connector.transfer.digests import DigestPlan, PendingDigests
-from kvshare_connector.transfer.gates import Gate
 from kvshare_connector.transfer.packing import Copy, CopyPlan
 
 
@@ -92,9 +91,6 @@ class Transfer:
     slot: int | None = None  # our staging slot, while a packed read uses it
     packed: PackedRead | None = None  # packed: what to READ and then copy out of the slot
     landed: float | None = None  # when its bytes were seen in place (monotonic)
-    gate: Gate | None = None  # packed: its scatter, queued behind this, waits for the bytes
-    armed: Copy | None = None  # that scatter
-    armed_plan: CopyPlan | None = None  # its plan (copied again when the gate opened early)
 
 
 @dataclass(frozen=True)

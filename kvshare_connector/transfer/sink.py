@@ -385,7 +385,6 @@ class KVSink:
         read.phase = Phase.READ
         read.mark("posted")
         self.lander.plan_scatter(read)  # if not planned ahead: while the bytes are on their way
-        self.lander.arm(read)
         failpoint("sink.read_posted")
 
     def _finish(self, read: Read) -> None:
@@ -449,7 +448,6 @@ class KVSink:
         them), so they must not go back to vLLM yet."""
         released = True
         t = read.transfer
-        self.lander.disarm(read)  # before its slot or blocks are anyone else's
         if t is not None and t.slot is not None and self.packer is not None:
             if t.handle is not None and self.transport.state(t.handle) == "PROC":
                 self._stuck.append((t.handle, t.slot))  # NIXL may still write into it
@@ -486,6 +484,5 @@ class KVSink:
         self.peers.submit(key, self.peers.release, key, p, read.order.token, reason)
 
     def close(self) -> None:
-        self.lander.close()
         self.peers.close()
         self.transport.close()
