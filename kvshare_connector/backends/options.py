@@ -45,7 +45,7 @@ class ConnectorOptions:
                                         "computed locally.")
     cross_layer_blocks: bool | None = _option(None, "vLLM 0.26: ask for the cross-layer "
                                               "blocks tensor (default on, off under kvcached); "
-                                              "vLLM 0.33: ask for the block-major layout "
+                                              "vLLM 0.33/0.34: ask for the block-major layout "
                                               "(default off).")
     staging_mib: float = _option(512.0, "Staging area per engine for packed transfer "
                                  "(a request read as a few large runs); 0: block by block.")
