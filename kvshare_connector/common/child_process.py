@@ -28,8 +28,8 @@ def report(prefix: str, payload: Any) -> None:
     points fd 1 at stderr, where logs (vLLM's handler writes to ``sys.stdout``) and C
     libraries then write. On a shared stdout, ``print`` wrote a report's text and its newline
     in two calls, and a log record from another thread could land between them: the parent
-    read ``RELEASED {...}INFO ...``, could not parse it, and lost every later report (CI,
-    2026-12-07, tests/test_tp_transfer.py). Each report is written whole, under a lock."""
+    read ``RELEASED {...}INFO ...``, could not parse it, and lost every later report. Each
+    report is written whole, under a lock."""
     global _reports
     line = prefix + json.dumps(payload) + "\n"
     with _reports_lock:

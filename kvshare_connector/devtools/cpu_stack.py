@@ -118,8 +118,8 @@ def _cuda_backend_choice(cls: Any, selected_backend: Any, *args: Any, **kwargs: 
 def on_a_free_port(listen: Callable[[int], None], attempts: int = 5) -> None:
     """``listen(port)`` on a port free a moment ago, again on another while the port was
     taken in between (EADDRINUSE): a free port is free only until someone binds it, and
-    the tests start engines and side channels side by side (CI, 2026-12-06: torch's
-    rendezvous store lost its port once in ~650 tests)."""
+    the tests start engines and side channels side by side (torch's rendezvous store once
+    lost its port that way)."""
     for attempt in range(attempts):
         try:
             listen(pick_free_port())

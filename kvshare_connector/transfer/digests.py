@@ -36,8 +36,7 @@ from kvshare_connector.transfer.packing import (
     upload_on,
 )
 
-# Bytes gathered at once: the temporary memory (the weighting is done in place). 64 MiB
-# with a separate product until 2026-12-06e: the same peak, twice the launches.
+# Bytes gathered at once: the temporary memory (the weighting is done in place).
 CHUNK_BYTES = 128 << 20
 
 

@@ -6,11 +6,8 @@ prefill's. ``KVSink`` moves reads through their phases; ``Lander`` does this par
 What can be known before the bytes arrive is planned and uploaded while the claim is out
 (``plan_ahead``): the digests' index plan, the packed READ and its scatter's index plan (in
 offsets relative to the staging slot, allocated only at the post), so that between the
-READ and the blocks in place the host only launches. On one GPU (2026-12-05) the READ of a
-4k request took 0.13 ms and the host's landing after it 1.5 ms; with the digest plan ahead
-(2026-12-06, 2k) the scatter's share, 0.8 ms of 1.2, was the largest left; planned right
-after the post (2026-12-06b), the scatter's 0.4-0.6 ms plan outlasted a 70 us READ, which
-was then seen done only after it.
+READ and the blocks in place the host only launches: on a GPU a READ can take less than
+the plans, which then decide when the bytes are in place (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -50,9 +47,7 @@ class Lander:
         topology; None: it cannot pack for this reader) may pack the request, the packed
         READ and its scatter. Host seconds go in the read log as ``digest_plan`` and
         ``scatter_plan``, apart from the landing's own parts; their index uploads, parts of
-        them, as ``digest_upload`` and ``scatter_upload`` (32k on one H100, 2026-12-06d: the
-        two plans took 17-19 ms, the same numpy work 3 ms on a CPU box: which part grows
-        on a GPU host is for these to say)."""
+        them, as ``digest_upload`` and ``scatter_upload``."""
         plan = read.plan
         if plan is None:
             return

@@ -24,9 +24,8 @@ from kvshare_connector.layout.topology import Region
 
 ALIGN = 4096  # staging slots start on page boundaries: large words for the copy kernels
 # The largest word (row) a packed copy indexes by: E2B's runs are 32 KiB, so a 32k request's
-# scatter is 6,348 indices instead of 50,784 at 4 KiB words (its index plan took 8 ms on a
-# GPU host, 2026-12-06d); the staging side of a packed copy is a range, free of slot
-# alignment.
+# scatter is 6,348 indices instead of 50,784 at 4 KiB words; the staging side of a packed
+# copy is a range, free of slot alignment.
 MAX_WORD = 1 << 20
 
 
@@ -62,8 +61,7 @@ class MemoryMap:
 
     vLLM keeps KV in a few storages (3 for E2B: layers of different KV cache groups share a
     tensor); a copy with one view per storage took two kernels per storage, and the host's
-    launches, not the device, were most of a landing (32k on one H100, 2026-12-06d: scatter
-    0.5 ms and digests 0.65 ms of host time against a 0.2 ms READ). ``window`` spans them
+    launches, not the device, were most of a landing. ``window`` spans them
     all, from the lowest storage's first byte to the highest's last, so a request's gather
     or scatter is one indexed copy whatever storages its runs lie in. Only bytes inside a
     storage are ever indexed (``check``): the gaps between storages are never touched.
@@ -232,10 +230,8 @@ def side_stream(device: Any) -> Any:
     """The device's highest-priority stream, for work a load waits on (gather, scatter,
     digests): its blocks are scheduled ahead of the engine's forward as soon as SMs free
     up (CUDA never preempts running blocks), instead of queueing behind a forward that may
-    hold the GPU for a step. The lead (2026-12-03b, one GPU for nine engines): claims that
-    reached prefill within ~15 ms of the hold took 100-180 ms, later ones 2-12 ms, and a
-    claim waits for the request's gather and digests. PyTorch maps the number to the
-    device's highest priority."""
+    hold the GPU for a step (a claim waits for the request's gather and digests). PyTorch
+    maps the number to the device's highest priority."""
     import torch
 
     return torch.cuda.Stream(device=device, priority=-(1 << 20))

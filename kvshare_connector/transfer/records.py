@@ -41,7 +41,7 @@ class TransferRecord:
     descriptors: int
     blocks: int
     # the post's start (NIXL's post call, after its request was prepared) -> bytes in place,
-    # the scatter included when packed (until 2026-12-06e: from before the preparation)
+    # the scatter included when packed
     seconds: float
     packed: bool = False  # moved as a few large runs through the staging areas
     verified: int = 0  # layer-blocks whose digest matched prefill's (``verify_kv``)
