@@ -26,6 +26,7 @@ from kvshare_connector.backends.base import WorkerContext
 from kvshare_connector.backends.options import ConnectorOptions
 from kvshare_connector.common.log import get_logger
 from kvshare_connector.layout import kvcached
+from kvshare_connector.transfer.addresses import advertised_host
 from kvshare_connector.vllm import compat
 from kvshare_connector.vllm.adapter import engine_identity
 from kvshare_connector.vllm.metadata import KVShareMetadata, KVShareWorkerMeta
@@ -70,7 +71,19 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         tp_size, tp_rank = tensor_parallel(vllm_config, role != KVConnectorRole.SCHEDULER)
         options = ConnectorOptions.parse(config.kv_connector_extra_config)
         self.engine_id = config.engine_id or "kvshare"
-        host = envs.VLLM_NIXL_SIDE_CHANNEL_HOST
+        # Prefill listens on VLLM_NIXL_SIDE_CHANNEL_HOST and advertises (kv_transfer_params'
+        # remote_host, what decode dials and signs for) that host, or on every interface
+        # (0.0.0.0) its routable address; worked out alike in every process of the engine.
+        bind = envs.VLLM_NIXL_SIDE_CHANNEL_HOST
+        host = bind
+        if config.kv_role != "kv_consumer":
+            advertised = advertised_host(bind, options.advertise_host)
+            host = advertised.host
+            if host != bind and role == KVConnectorRole.SCHEDULER:
+                logger.info(
+                    "KV side channel listens on %s and advertises %s (%s)",
+                    bind, host, advertised.why,
+                )  # fmt: skip
         port = (
             envs.VLLM_NIXL_SIDE_CHANNEL_PORT
             + vllm_config.parallel_config.data_parallel_index * tp_size
@@ -101,6 +114,7 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
                 tp_size=tp_size,
                 tp_rank=tp_rank,
                 model_kv_heads=model_kv_heads(vllm_config),
+                bind_host=bind,
             )
             self.worker = KVShareWorker(vllm_config, kv_cache_config, backend, worker_context)
 

@@ -30,11 +30,11 @@ def test_every_option_is_read_from_the_extra_config():
         "allowed_prefills": ["10.0.0.1", "10.0.0.2:5600"], "ucx_lane": "off",
         "lane_probe_mib": 0.5, "nixl_progress_thread": False, "read_log": "/tmp/reads.jsonl",
         "lmcache": {"remote_url": "lm://h:1"}, "switch_interval_ms": "0.5",
-        "layer_nudge_ms": 0, "nixl_progress_poll_ms": "0",
+        "layer_nudge_ms": 0, "nixl_progress_poll_ms": "0", "advertise_host": "10.0.0.9",
     }  # fmt: skip
     o = ConnectorOptions.parse(extra, environ={})
     assert o.switch_interval_ms == 0.5 and o.layer_nudge_ms == 0
-    assert o.nixl_progress_poll_ms == 0.0
+    assert o.nixl_progress_poll_ms == 0.0 and o.advertise_host == "10.0.0.9"
     assert set(extra) == {f.name for f in dataclasses.fields(ConnectorOptions)}
     assert o.kv_lease_duration == 12.5 and o.cross_layer_blocks is False
     assert o.staging_bytes == 0 and o.verify_kv and o.secret == b"s3cret"

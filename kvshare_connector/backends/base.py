@@ -180,6 +180,7 @@ class WorkerContext:
     tp_size: int = 1  # TP: this engine's size and this worker's rank
     tp_rank: int = 0
     model_kv_heads: int = 0  # the model's KV heads before the TP split (0: unknown)
+    bind_host: str | None = None  # prefill: where its side channel listens, if not ``host``
 
     @property
     def produces(self) -> bool:
@@ -195,6 +196,7 @@ class WorkerContext:
         return EngineSettings(
             engine_id=self.engine_id,
             host=self.host,
+            bind_host=self.bind_host,
             port=self.port,
             lease_s=o.kv_lease_duration,
             handshake_timeout_s=o.handshake_timeout_s,

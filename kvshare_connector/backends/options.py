@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvshare_connector.common.log import get_logger
+from kvshare_connector.transfer.kv_params import host_problem
 from kvshare_connector.transfer.settings import AllowedPrefill, AllowListError
 
 logger = get_logger(__name__)
@@ -60,6 +61,12 @@ class ConnectorOptions:
     side_channel_insecure: bool = _option(False, "Let prefill's side channel listen beyond "
                                           "loopback without a secret.",
                                           "KVSHARE_SIDE_CHANNEL_INSECURE")
+    advertise_host: str | None = _option(None, "Prefill: the host its kv_transfer_params "
+                                         "name, which decode dials. Default: "
+                                         "VLLM_NIXL_SIDE_CHANNEL_HOST, or where that is "
+                                         "every interface (`0.0.0.0`, `::`) the address of "
+                                         "the default route's interface "
+                                         "(docs/multi_host.md).", "KVSHARE_ADVERTISE_HOST")
     allowed_prefills: tuple[str, ...] | None = _option(None, "Decode: the only prefill side "
                                                        "channels it may connect to, each "
                                                        "`host:port` (that port and the 63 "
@@ -199,6 +206,11 @@ def _convert(name: str, raw: Any, source: str) -> Any:
         return raw
     if name == "allowed_prefills":
         return _allow_list(raw, source)
+    if name == "advertise_host":
+        why = host_problem(raw) if isinstance(raw, str) else "not a string"
+        if why is not None:
+            raise OptionError(f"{source} must be one host's name or address: {raw!r} is {why}")
+        return raw
     if name == "lmcache":
         if not isinstance(raw, Mapping):
             raise OptionError(f"{source} must be an object, got {type(raw).__name__}")

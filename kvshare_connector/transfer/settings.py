@@ -107,6 +107,7 @@ def _port_span(entry: str, text: str) -> tuple[int, int]:
 class EngineSettings:
     engine_id: str
     host: str = "127.0.0.1"  # prefill: the side channel's host, as kv_transfer_params name it
+    bind_host: str | None = None  # prefill: where it listens, if not ``host`` (0.0.0.0)
     port: int = 0  # prefill: its port (0: any free one)
     lease_s: float = 30.0  # prefill: how long a finished request's blocks wait for decode
     handshake_timeout_s: float = 10.0  # decode: bound on each side-channel ask

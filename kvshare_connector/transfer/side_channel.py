@@ -166,7 +166,11 @@ class SideChannelServer:
         engine_id: str = "",
         limits: Limits | None = None,
         inline: bool = True,
+        advertise: str | None = None,
     ):
+        """Listens on ``host``; ``advertise`` (default: ``host``) is the host requests are
+        addressed to, which decode dials: a listener on every interface (``0.0.0.0``)
+        answers to the host's routable address (``transfer/addresses.py``)."""
         self._handler = handler
         self._inline = inline
         self._secret = secret
@@ -195,8 +199,9 @@ class SideChannelServer:
         except OSError as exc:
             sock.close()
             raise SideChannelError(f"cannot listen on {host}:{port}: {exc}") from exc
-        self.host, self.port = host, sock.getsockname()[1]
-        self.destination = destination(engine_id, host, self.port)
+        self.host, self.port = advertise or host, sock.getsockname()[1]
+        self.bind_host = host
+        self.destination = destination(engine_id, self.host, self.port)
         self._loop = asyncio.new_event_loop()
         self._loop.set_exception_handler(self._loop_failed)
         started = threading.Event()

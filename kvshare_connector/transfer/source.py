@@ -79,7 +79,8 @@ class KVSource:
                 f"name and decode dials, and it is {why}: set VLLM_NIXL_SIDE_CHANNEL_HOST to "
                 "this engine's address"
             )
-        check_exposure(settings.host, settings.secret, settings.insecure)
+        bind = settings.bind_host or settings.host
+        check_exposure(bind, settings.secret, settings.insecure)
         self.settings = settings
         self.engine_id = settings.engine_id
         self.topology = topology
@@ -121,8 +122,8 @@ class KVSource:
         self._warned_unknown_blocks = False
         warn_if_no_secret(settings.secret)
         self.server = SideChannelServer(
-            settings.host, settings.port, self._answer, settings.secret, self.engine_id,
-            inline=inline_answers,
+            bind, settings.port, self._answer, settings.secret, self.engine_id,
+            inline=inline_answers, advertise=settings.host,
         )  # fmt: skip
         self.host, self.port = settings.host, self.server.port
         self.nameplate.write(self.server.destination)
