@@ -148,7 +148,8 @@ def test_plan_one_gpu_each_and_kv_both() -> None:
         kv = json.loads(_arg(e.argv, "--kv-transfer-config"))
         assert kv["kv_role"] == "kv_both"
         assert kv["kv_connector_extra_config"] == {
-            LAYOUT_KEY: False, "kv_lease_duration": 60, "allowed_prefills": ["localhost"]
+            LAYOUT_KEY: False, "kv_lease_duration": 60,
+            "allowed_prefills": ["localhost:5600", "localhost:5616"],  # kv_both: both serve
         }  # fmt: skip
     assert "VLLM_USE_V2_MODEL_RUNNER" not in prefill.env
 
@@ -165,7 +166,7 @@ def test_a_deployment_shares_a_fresh_secret_and_decode_reaches_only_its_prefills
     other = plan_pd(ServeConfig(model="m"))[0].env[SECRET_ENV]
     assert other != secret  # one per deployment
     extra = json.loads(_arg(decode.argv, "--kv-transfer-config"))["kv_connector_extra_config"]
-    assert extra["allowed_prefills"] == ["localhost"]
+    assert extra["allowed_prefills"] == ["localhost:5600"]  # host:port, never a host alone
     assert "allowed_prefills" not in json.loads(_arg(prefill.argv, "--kv-transfer-config")).get(
         "kv_connector_extra_config", {}
     )
@@ -177,7 +178,7 @@ def test_a_deployment_shares_a_fresh_secret_and_decode_reaches_only_its_prefills
     prefill, decode = plan_pd(cfg)
     assert prefill.env[SECRET_ENV] == "env"
     kv = json.loads(_arg(decode.argv, "--kv-transfer-config"))
-    assert kv["kv_connector_extra_config"]["allowed_prefills"] == ["10.0.0.5"]
+    assert kv["kv_connector_extra_config"]["allowed_prefills"] == ["10.0.0.5:5600"]
     cfg = ServeConfig(model="m", kv_extra_config={"side_channel_secret": "x"})
     assert SECRET_ENV not in plan_pd(cfg)[0].env
     assert SECRET_ENV not in plan_colocated(ServeConfig(model="m"))[0].env

@@ -104,7 +104,10 @@ def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def serve_config_from_args(args: argparse.Namespace) -> Any:
+    from kvshare_connector.toolkit import roles
     from kvshare_connector.toolkit.launcher import ServeConfig
+
+    roles.check_command_line(args)
 
     kwargs: dict[str, Any] = dict(
         model=args.model,
@@ -137,6 +140,7 @@ def serve_config_from_args(args: argparse.Namespace) -> Any:
         router_policy=args.router_policy,
         router_metrics_port=args.router_metrics_port,
         router_args=list(args.router_args or []),
+        **roles.config_kwargs(args),
     )
     if args.log_dir is not None:
         kwargs["log_dir"] = args.log_dir
@@ -184,11 +188,16 @@ def run_foreground(deployment: Deployment, ready_file: Path | None = None) -> in
                 logger.error("%s", exc)
                 return 1
             info = deployment.describe()
-            print(
-                f"kvshare: ready; OpenAI endpoint {info['endpoint']}/v1 "
-                f"(model {info['model']!r}); logs in {info['log_dir']}; Ctrl-C stops",
-                flush=True,
-            )
+            if info["endpoint"] is None:  # one role of a multi-host deployment
+                from kvshare_connector.toolkit.roles import ready_line
+
+                print(ready_line(deployment), flush=True)
+            else:
+                print(
+                    f"kvshare: ready; OpenAI endpoint {info['endpoint']}/v1 "
+                    f"(model {info['model']!r}); logs in {info['log_dir']}; Ctrl-C stops",
+                    flush=True,
+                )
             if ready_file is not None:
                 # Readers poll for the file: it must appear whole.
                 write_atomic(ready_file, json.dumps(info, indent=2))
@@ -218,11 +227,13 @@ def add_serve_pd_parser(sub: argparse._SubParsersAction) -> None:
         "serve-pd",
         help="start prefill + decode vLLM servers with KVShareConnector and the proxy",
         description="Start prefill + decode `vllm serve` with KVShareConnector plus the PD "
-        "proxy, wait until all are healthy, print the endpoint, stop everything on Ctrl-C. "
+        "proxy, wait until all are healthy, print the endpoint, stop everything on Ctrl-C; "
+        "with --role, one host's prefill or decode engines alone (docs/multi_host.md). "
         "Arguments after `--` are passed to every `vllm serve`.",
     )
     p.add_argument("model")
     _add_placement_args(p)
+    _add_role_args(p)
     _add_engine_args(p)
     _add_process_args(p)
     _add_router_args(p)
@@ -230,6 +241,13 @@ def add_serve_pd_parser(sub: argparse._SubParsersAction) -> None:
     _add_side_down(p)
     _add_timeouts(p)
     p.set_defaults(func=_run_serve_pd, check=_check_serve_pd)
+
+
+def _add_role_args(p: argparse.ArgumentParser) -> None:
+    """serve-pd: one role per host (toolkit/roles.py), imported when the parser is built."""
+    from kvshare_connector.toolkit import roles
+
+    roles.add_args(p)
 
 
 def _add_placement_args(p: argparse.ArgumentParser) -> None:

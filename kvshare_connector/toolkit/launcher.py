@@ -25,7 +25,6 @@ Conventions worth knowing:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvshare_connector.toolkit import roles
 from kvshare_connector.toolkit.checks import (
     UsageError,
     check_gpus,
@@ -47,6 +47,7 @@ from kvshare_connector.toolkit.checks import (
     require_command,
     require_executable,
 )
+from kvshare_connector.toolkit.fronts import proxy_argv, router_argv, vllm_router_available
 from kvshare_connector.toolkit.procs import (
     LaunchError,
     ManagedProcess,
@@ -119,8 +120,17 @@ class ServeConfig:
     # The side channel's shared secret for this deployment (KVSHARE_SIDE_CHANNEL_SECRET of
     # every engine), unless the user gave one (--env, the environment, the extra config).
     side_channel_secret: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
+    # One host per role (toolkit/roles.py, docs/multi_host.md): "both" (with the proxy),
+    # "prefill" or "decode" engines only; where side channels listen and what they advertise;
+    # decode's allowed_prefills (default: this plan's prefills); the secret's file.
+    role: str = "both"
+    side_channel_host: str | None = None
+    advertise_host: str | None = None
+    allowed_prefills: list[str] | None = None
+    secret_file: Path | None = None
 
     def __post_init__(self) -> None:
+        roles.check(self)
         if self.layout is not None and self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.router not in ROUTERS:
@@ -157,21 +167,28 @@ def client_host(host: str) -> str:
 
 
 def side_channel_host(cfg: ServeConfig) -> str:
-    """The host prefill engines advertise for their side channels (vLLM's default:
-    localhost), which decode engines are allowed to reach."""
-    key = "VLLM_NIXL_SIDE_CHANNEL_HOST"
-    return cfg.env.get(key) or os.environ.get(key) or "localhost"
+    """Where prefill engines' side channels listen (``roles.side_channel_host``)."""
+    return roles.side_channel_host(cfg)
+
+
+def prefill_side_channel_ports(cfg: ServeConfig) -> list[int]:
+    """The side-channel ports of the plan's engines that serve KV (its prefills, with
+    ``kv_both`` every engine), as ``plan_pd`` numbers them."""
+    serving = cfg.num_prefill + (cfg.num_decode if cfg.kv_both else 0)
+    return [cfg.side_channel_port + k * SIDE_CHANNEL_STRIDE for k in range(serving)]
 
 
 def kv_transfer_config(cfg: ServeConfig, role: str) -> dict[str, Any]:
     """The ``--kv-transfer-config`` of a prefill or decode engine: decode may reach only
-    the side channels of this deployment's prefills (``allowed_prefills``), unless the
-    extra config says otherwise."""
+    the side channels of this deployment's prefills (``allowed_prefills``, each
+    ``host:port``) or the ones given, unless the extra config says otherwise."""
     extra = dict(cfg.kv_extra_config)
     if cfg.layout is not None:
         extra[LAYOUT_KEY] = cfg.layout == "cross_layer"
-    if role == "decode" or cfg.kv_both:
-        extra.setdefault("allowed_prefills", [side_channel_host(cfg)])
+    if (role == "prefill" or cfg.kv_both) and cfg.advertise_host:
+        extra.setdefault("advertise_host", cfg.advertise_host)
+    if (role == "decode" or cfg.kv_both) and "allowed_prefills" not in extra:
+        extra["allowed_prefills"] = roles.allow_list(cfg, prefill_side_channel_ports(cfg))
     kv: dict[str, Any] = {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": CONNECTOR_MODULE,
@@ -220,15 +237,18 @@ def engine_argv(
 
 
 def engine_env(cfg: ServeConfig, gpu: str, side_channel_port: int | None) -> dict[str, str]:
-    """What an engine's environment adds: its GPU, and with a side channel its port and
-    the deployment's secret (in the environment, not on the command line `ps` shows)."""
+    """What an engine's environment adds: its GPU, and with a side channel its port, host
+    (where given, or with a role) and the deployment's secret (in the environment, not on
+    the command line `ps` shows)."""
     env = dict(cfg.env)
     env["CUDA_VISIBLE_DEVICES"] = gpu
     if side_channel_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
-        given = SECRET_ENV in env or os.environ.get(SECRET_ENV)
-        if not given and "side_channel_secret" not in cfg.kv_extra_config:
-            env[SECRET_ENV] = cfg.side_channel_secret
+        if cfg.side_channel_host or cfg.role != "both":
+            env[roles.HOST_ENV] = roles.side_channel_host(cfg)
+        secret = roles.engine_secret(cfg)
+        if secret is not None:
+            env[SECRET_ENV] = secret
     if kvcached_enabled(env) and "VLLM_USE_V2_MODEL_RUNNER" not in env and _has_v1_runner():
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     return env
@@ -249,9 +269,12 @@ def kvcached_enabled(env: dict[str, str]) -> bool:
 
 
 def plan_pd(cfg: ServeConfig) -> list[EngineSpec]:
-    """Prefill then decode engines: ports, GPUs, memory shares, side channels, kv roles."""
+    """Prefill then decode engines: ports, GPUs, memory shares, side channels, kv roles
+    (with a role, that role's engines only)."""
     prefill_gpus = [cfg.prefill_gpus[i % len(cfg.prefill_gpus)] for i in range(cfg.num_prefill)]
     decode_gpus = [cfg.decode_gpus[i % len(cfg.decode_gpus)] for i in range(cfg.num_decode)]
+    prefill_gpus = [] if cfg.role == "decode" else prefill_gpus
+    decode_gpus = [] if cfg.role == "prefill" else decode_gpus
     all_gpus = prefill_gpus + decode_gpus
     specs = []
     for k, (role, i, gpu) in enumerate(
@@ -287,55 +310,6 @@ def plan_colocated(cfg: ServeConfig) -> list[EngineSpec]:
             env=engine_env(cfg, cfg.prefill_gpus[0], None),
         )
     ]
-
-
-def proxy_argv(cfg: ServeConfig, engines: Sequence[EngineSpec]) -> list[str]:
-    t = cfg.proxy_timeouts
-    argv = [
-        sys.executable,
-        "-m",
-        "kvshare_connector.toolkit.cli",
-        "proxy",
-        "--host",
-        cfg.host,
-        "--port",
-        str(cfg.port),
-        "--connect-timeout",
-        str(t.connect),
-        "--read-timeout",
-        str(t.read),
-    ]
-    argv += ["--first-token", cfg.first_token, "--side-down", cfg.side_down]
-    argv += ["--prefill", *[e.url for e in engines if e.role == "prefill"]]
-    argv += ["--decode", *[e.url for e in engines if e.role == "decode"]]
-    return argv
-
-
-def vllm_router_available() -> bool:
-    """vllm-router's Python launcher (and its Rust extension) is importable here."""
-    return importlib.util.find_spec("vllm_router") is not None
-
-
-def router_argv(cfg: ServeConfig, engines: Sequence[EngineSpec], metrics_port: int) -> list[str]:
-    """vllm-router in vLLM PD mode over these engines. It sends prefill a one-token,
-    unstreamed copy with ``kv_transfer_params.do_remote_decode`` and decode the original body
-    plus prefill's answered ``kv_transfer_params`` (its ``--kv-connector nixl``, the default):
-    the flow KVShareConnector speaks. Run as a module of this interpreter (its console script
-    may not be on PATH where the wheel was installed with ``--target``)."""
-    argv = [
-        sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation",
-        "--host", cfg.host, "--port", str(cfg.port), "--policy", cfg.router_policy,
-        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-        "--request-timeout-secs", str(max(1, int(cfg.proxy_timeouts.read))),
-        "--worker-startup-check-interval", "1", "--log-level", "warning",
-    ]  # fmt: skip
-    for e in engines:
-        if e.role == "prefill":
-            argv += ["--prefill", e.url]
-    for e in engines:
-        if e.role == "decode":
-            argv += ["--decode", e.url]
-    return argv + list(cfg.router_args)
 
 
 def start_waves(engines: Sequence[EngineSpec], parallel: bool | None) -> list[list[EngineSpec]]:
@@ -456,7 +430,8 @@ class Deployment:
         except BaseException:
             self.stop()
             raise
-        logger.info("deployment ready at %s after %.1fs", self.endpoint, time.monotonic() - t0)
+        where = f"at {self.endpoint}" if self.with_proxy else f"({cfg.role} engines)"
+        logger.info("deployment ready %s after %.1fs", where, time.monotonic() - t0)
         return self
 
     def dead(self) -> list[ManagedProcess]:
@@ -464,8 +439,12 @@ class Deployment:
         return [p for p in self.procs if not p.alive()]
 
     def describe(self) -> dict[str, Any]:
+        """What started (a role's deployment has no endpoint of its own: its front does;
+        its prefills' side channels are what decode hosts admit)."""
         return {
-            "endpoint": self.endpoint,
+            "endpoint": self.endpoint if self.with_proxy else None,
+            "role": self.cfg.role,
+            "side_channels": roles.side_channels(self.cfg, self.engines),
             "model": self.cfg.served_model_name or self.cfg.model,
             "processes": [
                 {"name": p.name, "pid": p.pid, "log": str(p.log_path)} for p in self.procs
@@ -486,7 +465,8 @@ class Deployment:
 
 
 def pd_deployment(cfg: ServeConfig) -> Deployment:
-    return Deployment(cfg, plan_pd(cfg), with_proxy=True)
+    """The PD deployment of ``cfg``: with one role, that role's engines alone (no proxy)."""
+    return Deployment(cfg, plan_pd(cfg), with_proxy=cfg.role == "both")
 
 
 def colocated_deployment(cfg: ServeConfig) -> Deployment:
