@@ -355,6 +355,21 @@ def test_sweep_paths_and_gpus(
         (["--packed-mib", "-1"], ["--packed-mib", ">= 0"]),
         (["--model", "llama"], ["--model", "invalid choice"]),
         (["--", "--x"], ["takes none"]),
+        (["--role", "prefill"], ["--role prefill needs --listen HOST:PORT and --secret-file"]),
+        (["--role", "decode", "--secret-file", "f"], ["needs --prefill HOST:PORT"]),
+        (["--secret-file", "f"], ["--secret-file needs --role prefill or decode"]),
+        (["--role", "host"], ["--role", "invalid choice"]),
+        (["--listen", "10.0.0.1"], ["--listen", "is not HOST:PORT"]),
+        (["--listen", "0.0.0.0:5600"], ["--listen", "unspecified address"]),
+        (["--prefill", "10.0.0.1:65535"], ["--prefill", "not in 1-65534"]),
+        (
+            ["--role", "decode", "--prefill", "10.0.0.1:5600", "--listen", "10.0.0.2:5600"],
+            ["--listen is not an option of --role decode"],
+        ),
+        (
+            ["--role", "decode", "--prefill", "10.0.0.1:5600", "--secret-file", "/no/such"],
+            ["--secret-file /no/such", "No such file"],
+        ),
     ],
 )
 def test_demo_arguments(

@@ -6,6 +6,7 @@ regions and serves its layout on the side channel. The decode process (this one)
 its own KV memory, possibly in another layout and with other block ids, handshakes, READs
 the request over NIXL/UCX on 127.0.0.1, and checks every layer, sharers included, holds
 the pattern. A negative control then reads the wrong blocks and must fail the same check.
+With ``--role prefill|decode`` one side runs on each of two hosts (``demo_hosts``).
 """
 
 from __future__ import annotations
@@ -252,6 +253,12 @@ def read_and_check(
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    """Both sides here over 127.0.0.1, or one of them (``--role``: ``demo_hosts``)."""
+    if args.role is not None:
+        from kvshare_connector.devtools import demo_hosts
+
+        role = demo_hosts.run_prefill_host if args.role == "prefill" else demo_hosts.run_decode_host
+        return role(args)
     from kvshare_connector.transfer.nixl import NixlTransport
     from kvshare_connector.transfer.probe import ProbeBuffer
     from kvshare_connector.transfer.settings import EngineSettings
@@ -268,7 +275,7 @@ def run_demo(args: argparse.Namespace) -> int:
             args.prefill_layout,
             args.tokens,
             seed=1,
-            lease_s=args.lease_s,
+            lease_s=args.lease_s or 30.0,
             packed_mib=args.packed_mib,
         )
 
@@ -299,7 +306,7 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         params = dict(control.ready["kv_transfer_params"])
         reordered = [list(reversed(ids)) for ids in params["remote_block_ids"]]
-        _zero(topology)
+        zero_kv(topology)
         refused = read_and_check(sink, stack, topology, dict(params, remote_block_ids=reordered),
                                  local_ids, seed=1, request_id="d-1")  # fmt: skip
         misplaced = [list(reversed(ids)) for ids in local_ids]
@@ -319,24 +326,25 @@ def run_demo(args: argparse.Namespace) -> int:
     )
     refused_ok = not refused.done and "in their order" in (refused.failure or "")
     control_ok = refused_ok and negative.done and bool(negative.mismatches)
-    _report(prefill.ready, stack, topology, local_ids, result, lanes, released, negative,
-            refused_ok)  # fmt: skip
+    report_table(prefill.ready, stack, topology, local_ids, result, lanes,
+                 released["read"] == ["req-0"], negative, refused_ok)  # fmt: skip
     print("RESULT:", "PASS" if ok and control_ok else "FAIL")
     return 0 if ok and control_ok else 1
 
 
-def _report(
+def report_table(
     ready: dict[str, Any],
     stack: Any,
     topology: Any,
     local_ids: list[list[int]],
     result: Any,
     lanes: list[Any],
-    released: dict[str, Any],
+    released: bool | None,
     negative: Any,
     refused: bool,
 ) -> None:
-    """The demo's table: what was registered, read and checked."""
+    """The demo's table: what was registered, read and checked (``released`` None: prefill,
+    on another host, says)."""
     layers = len(stack.kv_caches)
     bad_layers = len({m.split(" ")[0] for m in result.mismatches})
     rows = [
@@ -360,7 +368,10 @@ def _report(
         ),
         ("layers holding prefill's KV (owners + sharers)", f"{layers - bad_layers}/{layers}"),
         ("stray writes outside the request", str(len(result.stray))),
-        ("prefill released the blocks", str(released["read"] == ["req-0"])),
+        (
+            "prefill released the blocks",
+            "see prefill's output" if released is None else str(released),
+        ),
         (
             "negative control (blocks misplaced) detected",
             f"{negative.done and bool(negative.mismatches)} ({len(negative.mismatches)} bad "
@@ -373,7 +384,7 @@ def _report(
         print(f"  {key:<{width}}  {value}")
 
 
-def _zero(topology: Any) -> None:
+def zero_kv(topology: Any) -> None:
     import ctypes
 
     for region in topology.regions:
@@ -385,6 +396,9 @@ def _zero(topology: Any) -> None:
 
 def check_demo(args: argparse.Namespace) -> None:
     """What the demo needs here: vLLM (its KV objects) and NIXL (the transfer)."""
+    from kvshare_connector.devtools import demo_hosts
+
+    demo_hosts.check_roles(args)
     checks.require_module(["vllm"], "pip install vllm")
     checks.require_module(["nixl", "nixl_cu13"], "pip install nixl-cu13==1.5.1")
 
@@ -401,13 +415,20 @@ def add_parser(subparsers: Any) -> None:
         default=1000,
         help=f"tokens of the request read (1-{MAX_MODEL_LEN})",
     )
-    demo.add_argument("--lease-s", type=checks.positive_float, default=30.0)
+    demo.add_argument(
+        "--lease-s",
+        type=checks.positive_float,
+        help="how long prefill holds the requests (30 s; 600 s with --role)",
+    )
     demo.add_argument(
         "--packed-mib",
         type=checks.non_negative_int,
         default=64,
         help="staging area per side for packed transfer (0: read block by block)",
     )
+    from kvshare_connector.devtools import demo_hosts
+
+    demo_hosts.add_arguments(demo)
     demo.set_defaults(func=run_demo, check=check_demo)
 
 
