@@ -197,7 +197,8 @@ class Engine:
         the ``twin`` that had the same prompt) and block position."""
         ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
         blocks = [list(group) for group in ids]
-        kvcheck.fill(self.stack.kv_caches, self.topology, blocks, seed=_seed(twin or req_id))
+        seed = _seed(twin) if twin else self.written_seed(req_id)
+        kvcheck.fill(self.stack.kv_caches, self.topology, blocks, seed=seed)
         self.written[req_id] = blocks
 
     def check_loaded(self, req_id: str) -> list[str]:
@@ -213,8 +214,7 @@ class Engine:
             n = math.ceil(loaded / group.spec.block_size)
             blocks.append([b for b in list(group_ids)[n - keep : n]])
             firsts.append(n - keep)
-        # The prefill request that made this KV had the same index: "d3" <- "p3".
-        seed = _seed("p" + req_id[1:])
+        seed = self.loaded_seed(req_id)
         return kvcheck.mismatches(
             self.stack.kv_caches,
             self.topology,
@@ -223,6 +223,14 @@ class Engine:
             first_positions=firsts,
             num_tokens=loaded,
         )
+
+    def written_seed(self, req_id: str) -> int:
+        """The pattern of the KV the emulated model writes for ``req_id``'s prompt."""
+        return _seed(req_id)
+
+    def loaded_seed(self, req_id: str) -> int:
+        """The pattern a loaded ``req_id`` must hold: its prefill twin's, "d3" <- "p3"."""
+        return _seed("p" + req_id[1:])
 
     def run_until(self, done, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
