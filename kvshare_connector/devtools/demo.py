@@ -342,9 +342,10 @@ def report_table(
     released: bool | None,
     negative: Any,
     refused: bool,
+    extra: list[tuple[str, str]] | None = None,
 ) -> None:
     """The demo's table: what was registered, read and checked (``released`` None: prefill,
-    on another host, says)."""
+    on another host, says), then the ``extra`` rows."""
     layers = len(stack.kv_caches)
     bad_layers = len({m.split(" ")[0] for m in result.mismatches})
     rows = [
@@ -378,6 +379,7 @@ def report_table(
             "blocks)",
         ),
         ("negative control (reordered block list) refused by prefill", str(refused)),
+        *(extra or []),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

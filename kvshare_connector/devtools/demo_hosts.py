@@ -273,9 +273,10 @@ def run_decode_host(args: argparse.Namespace) -> int:
     refused_ok = not refused.done and "in their order" in (refused.failure or "")
     secret_ok = "unauthenticated" in wrong_refused
     control_ok = refused_ok and secret_ok and negative.done and bool(negative.mismatches)
-    report_table(offer, stack, topology, local_ids, result, lanes, None, negative, refused_ok)
-    _print_rows([("negative control (another secret) refused by prefill", f"{secret_ok} "
-                  f"({wrong_refused[:100] or 'not refused'})")])  # fmt: skip
+    secret_row = ("negative control (another secret) refused by prefill",
+                  f"{secret_ok} ({wrong_refused[:60] or 'not refused'})")  # fmt: skip
+    report_table(offer, stack, topology, local_ids, result, lanes, None, negative, refused_ok,
+                 [secret_row])  # fmt: skip
     if result.failure:
         print(f"  read failed: {result.failure}")
     print("RESULT:", "PASS" if ok and control_ok else "FAIL")
