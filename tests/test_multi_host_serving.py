@@ -4,10 +4,11 @@ network, UTS, IPC and PID namespaces, a veth pair), each role started by its own
 
 Prefill host: ``serve-pd --role prefill --host 0.0.0.0 --secret-file S``; its side channel
 listens on every interface and advertises the address of its default route's interface.
-Decode host: ``serve-pd --role decode --allowed-prefills PREFILL:5600 --secret-file S``
-and ``kvshare proxy`` told both URLs. vLLM itself cannot serve here (no GPU): the per-role
-command starts ``devtools/serve_sim.py`` in its place (``--server-cmd``), vLLM's Scheduler
-and the connector over vLLM-made KV tensors and NIXL, with the config and environment
+Decode host: ``serve-pd --role decode --allowed-prefills PREFILL:5600 --secret-file S``,
+``kvshare proxy`` told both URLs and vllm-router (where installed), requests through each.
+vLLM itself cannot serve here (no GPU): the per-role command starts
+``devtools/serve_sim.py`` in its place (``--server-cmd``), vLLM's Scheduler and the
+connector over vLLM-made KV tensors and NIXL, with the config and environment
 serve-pd gives ``vllm serve``. Checked: every load byte for byte (every layer-block
 against the pattern prefill wrote for that prompt; verify_kv's digests on top), the READs'
 bytes crossed the link (the decode end's receive counter), and, the negative control that
@@ -33,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from kvshare_connector.toolkit.launcher import vllm_router_available
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "two_hosts.sh"
@@ -123,13 +126,14 @@ def _stop(procs: dict[str, subprocess.Popen]) -> None:
             proc.wait()
 
 
-#: Runs on the decode host: waits for the fronts, sends the requests, reads the link's
-#: receive counter around the good ones. argv: the veth, the good and the other front.
+#: Runs on the decode host: waits for the fronts, sends the good requests (to the good
+#: fronts in turn) and one to the other front, reads the link's receive counter around the
+#: good ones. argv: the veth, then {"good": [urls], "other": url, "prompts": [...]}.
 CLIENT = """
 import json, sys, time
 import httpx
-veth, good, other, prompts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
-for url in (good, other):
+veth, plan = sys.argv[1], json.loads(sys.argv[2])
+for url in plan["good"] + [plan["other"]]:
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -144,11 +148,12 @@ def rx():
 def ask(url, prompt):
     r = httpx.post(url + "/v1/completions", timeout=120,
                    json={"model": "g4tiny", "prompt": prompt, "max_tokens": 4})
-    return {"status": r.status_code, "body": r.json() if r.content else None}
+    return {"front": url, "status": r.status_code, "body": r.json() if r.content else None}
+good = plan["good"]
 before = rx()
-answers = [ask(good, p) for p in prompts]
+answers = [ask(good[i % len(good)], p) for i, p in enumerate(plan["prompts"])]
 after = rx()
-refused = ask(other, "Not for this decode: " + prompts[0])
+refused = ask(plan["other"], "Not for this decode: " + plan["prompts"][0])
 print(json.dumps({"answers": answers, "rx_bytes": after - before, "refused": refused}))
 """
 
@@ -192,13 +197,22 @@ def test_prefill_and_decode_hosts_each_started_by_one_command(tmp_path):
                 "--decode-port", "8201",
             )  # fmt: skip
             _wait_ready(procs, tmp_path)
-            proxy = [sys.executable, "-m", "kvshare_connector.toolkit.cli", "proxy"]
-            for name, port, decode_port in (("proxy", 8000, 8200), ("proxy-other", 8001, 8201)):
-                argv = [*proxy, "--port", str(port), "--prefill", f"http://{prefill}:8100"]
+            # The fronts, on the decode host: our proxy (and one for the other decode), and
+            # vllm-router where installed (the optional extra), each told both URLs.
+            fronts = {"proxy": [sys.executable, "-m", "kvshare_connector.toolkit.cli", "proxy"]}
+            fronts["proxy-other"] = fronts["proxy"]
+            if vllm_router_available():
+                fronts["router"] = [sys.executable, "-m", "vllm_router.launch_router"]
+                fronts["router"] += ["--vllm-pd-disaggregation", "--prometheus-port", "29100"]
+            ports = {"proxy": (8000, 8200), "proxy-other": (8001, 8201), "router": (8002, 8200)}
+            for name, argv in fronts.items():
+                port, decode_port = ports[name]
+                argv = [*argv, "--port", str(port), "--prefill", f"http://{prefill}:8100"]
                 argv += ["--decode", f"http://{decode}:{decode_port}"]
                 procs[name] = _on(pair, "decode", argv, tmp_path / f"{name}.out")
-            client = [sys.executable, "-c", CLIENT, f"kvs{pair}d", "http://127.0.0.1:8000"]
-            client += ["http://127.0.0.1:8001", json.dumps(PROMPTS)]
+            good = [f"http://127.0.0.1:{ports[n][0]}" for n in fronts if n != "proxy-other"]
+            plan = {"good": good, "other": "http://127.0.0.1:8001", "prompts": PROMPTS}
+            client = [sys.executable, "-c", CLIENT, f"kvs{pair}d", json.dumps(plan)]
             done = subprocess.run(
                 _run(pair, "decode", client, tmp_path),
                 capture_output=True, text=True, timeout=600, cwd=ROOT,
@@ -219,6 +233,7 @@ def test_prefill_and_decode_hosts_each_started_by_one_command(tmp_path):
     # Every load byte for byte, through the proxy, across the link.
     for prompt, answer in zip(PROMPTS, result["answers"], strict=True):
         assert byte_exact(answer, len(prompt.encode())), answer
+    assert {a["front"] for a in result["answers"]} == set(good)  # through every front
     logged = [json.loads(line) for line in reads.read_text().splitlines()]
     assert len(logged) == len(PROMPTS)
     read_bytes = sum(r["bytes"] for r in logged)
