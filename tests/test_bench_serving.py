@@ -83,11 +83,14 @@ def test_commands_of_each_deployment(tmp_path: Path, model_dir: Path) -> None:
         **ours, "kv_role": "kv_producer", "kv_connector_extra_config": {"kv_lease_duration": 60}
     }  # fmt: skip
     read_log = str(tmp_path / "raw" / "reads" / "ours-direct-decode0.jsonl")
+    # decode admits its own prefill's side channel, host:port
+    side = engines[("ours-direct", "prefill")].env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
     assert kv[("ours-direct", "decode")] == {
         **ours,
         "kv_role": "kv_consumer",
         "kv_connector_extra_config": {"kv_lease_duration": 60, "staging_mib": 0,
-                                      "allowed_prefills": ["localhost"], "read_log": read_log},
+                                      "allowed_prefills": [f"localhost:{side}"],
+                                      "read_log": read_log},
     }  # fmt: skip
     assert planned[1].read_logs == ["reads/ours-direct-decode0.jsonl"]
     assert kv[("nixl", "prefill")] == {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}

@@ -219,6 +219,7 @@ def test_prefill_and_decode_hosts_each_started_by_one_command(tmp_path):
             )  # fmt: skip
             assert done.returncode == 0, done.stderr[-3000:]
             result = json.loads(done.stdout.strip().splitlines()[-1])
+            (tmp_path / "client.json").write_text(json.dumps(result, indent=1))  # to look at
         finally:
             _stop(procs)
     prefill_log = (tmp_path / "prefill" / "prefill0.log").read_text()
