@@ -28,6 +28,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +41,7 @@ from kvshare_connector.toolkit.launcher import vllm_router_available
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "two_hosts.sh"
 IDS = range(100, 150)
+LOCKS = Path("/run/lock") if Path("/run/lock").is_dir() else Path(tempfile.gettempdir())
 SIM = "{python} -m kvshare_connector.devtools.serve_sim {model} --host {host} --port {port}"
 PROMPTS = [f"Request {i}: " + "the KV crosses the link " * (6 + 9 * i) for i in range(4)]
 
@@ -51,7 +53,7 @@ def _two_hosts() -> Iterator[dict[str, Any]]:
         pytest.skip("two hosts: network namespaces need root")
     for offset in range(len(IDS)):
         pair = IDS[(os.getpid() + offset) % len(IDS)]
-        with open(f"/run/lock/kvshare-two-hosts-{pair}.lock", "w") as lock:
+        with open(LOCKS / f"kvshare-two-hosts-{pair}.lock", "w") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
