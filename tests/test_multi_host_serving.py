@@ -15,22 +15,18 @@ bytes crossed the link (the decode end's receive counter), and, the negative con
 must fail, a decode started with another secret: its request is refused by prefill's side
 channel (a wrong MAC) and its KV is not prefill's.
 
-The pair is made here (namespace IDs 100-149); tests/support/two_hosts.py, another
-session's fixture for IDs 10-49, can absorb ``_two_hosts`` once it takes an ID range.
+The pair comes from tests/support/two_hosts.py, with namespace IDs 100-149 of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,58 +34,22 @@ import pytest
 
 from kvshare_connector.toolkit.launcher import vllm_router_available
 
+from .support.two_hosts import two_hosts
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "two_hosts.sh"
 IDS = range(100, 150)
-LOCKS = Path("/run/lock") if Path("/run/lock").is_dir() else Path(tempfile.gettempdir())
 SIM = "{python} -m kvshare_connector.devtools.serve_sim {model} --host {host} --port {port}"
 PROMPTS = [f"Request {i}: " + "the KV crosses the link " * (6 + 9 * i) for i in range(4)]
 
 
-@contextlib.contextmanager
-def _two_hosts() -> Iterator[dict[str, Any]]:
-    """A prefill host and a decode host (an ID no other run holds), taken down after."""
-    if os.geteuid() != 0:
-        pytest.skip("two hosts: network namespaces need root")
-    for offset in range(len(IDS)):
-        pair = IDS[(os.getpid() + offset) % len(IDS)]
-        with open(LOCKS / f"kvshare-two-hosts-{pair}.lock", "w") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue
-            up = subprocess.run(
-                ["bash", str(SCRIPT), "up", str(pair)], capture_output=True, text=True, timeout=60
-            )
-            try:
-                if up.returncode == 2:
-                    pytest.skip(f"two hosts: {up.stderr.strip()}")
-                assert up.returncode == 0, up.stderr
-                words = up.stdout.split()
-                yield {"id": pair, **dict(zip(words[::2], words[1::2], strict=True))}
-            finally:
-                subprocess.run(
-                    ["bash", str(SCRIPT), "down", str(pair)], capture_output=True, timeout=60
-                )
-            return
-    pytest.skip(f"two hosts: every namespace ID {IDS.start}-{IDS.stop - 1} is held")
-
-
-def _run(pair: int, role: str, argv: list[str], work: Path) -> list[str]:
-    """The command that runs ``argv`` on ``role``'s host, where the host's name resolves (a
-    Debian /etc/hosts line, as on a real machine: the namespace's name resolved nowhere, and
-    with a default route torch's gloo setup waited two minutes for DNS through the link)."""
-    hosts = f"{work}/hosts-{role}-$$"
-    named = (
-        f'printf "127.0.0.1 localhost\\n127.0.1.1 %s\\n" "$(hostname)" > {hosts} && '
-        f'mount --bind {hosts} /etc/hosts && exec "$@"'
-    )
-    return ["bash", str(SCRIPT), "run", str(pair), role, "sh", "-c", named, "sh", *argv]
+def _run(pair: int, role: str, argv: list[str]) -> list[str]:
+    return ["bash", str(SCRIPT), "run", str(pair), role, *argv]
 
 
 def _on(pair: int, role: str, argv: list[str], log: Path) -> subprocess.Popen:
     """``argv`` on ``role``'s host, in a process group of its own."""
-    cmd = _run(pair, role, argv, log.parent)
+    cmd = _run(pair, role, argv)
     with open(log, "w") as out:
         return subprocess.Popen(
             cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -179,8 +139,8 @@ def test_prefill_and_decode_hosts_each_started_by_one_command(tmp_path):
         path.write_text(value + "\n")
         path.chmod(0o600)
     procs: dict[str, subprocess.Popen] = {}
-    with _two_hosts() as hosts:
-        pair, prefill, decode = hosts["id"], hosts["prefill"], hosts["decode"]
+    with two_hosts(ids=IDS) as hosts:
+        pair, prefill, decode = hosts.id, hosts.prefill, hosts.decode
         # A host has a default route: prefill's, through the link (as a real one's would be)
         route = ["ip", "route", "add", "default", "via", decode]
         subprocess.run(["bash", str(SCRIPT), "run", str(pair), "prefill", *route], check=True)
@@ -216,7 +176,7 @@ def test_prefill_and_decode_hosts_each_started_by_one_command(tmp_path):
             plan = {"good": good, "other": "http://127.0.0.1:8001", "prompts": PROMPTS}
             client = [sys.executable, "-c", CLIENT, f"kvs{pair}d", json.dumps(plan)]
             done = subprocess.run(
-                _run(pair, "decode", client, tmp_path),
+                _run(pair, "decode", client),
                 capture_output=True, text=True, timeout=600, cwd=ROOT,
             )  # fmt: skip
             assert done.returncode == 0, done.stderr[-3000:]

@@ -115,11 +115,11 @@ def _unavailable() -> str | None:
 
 
 @contextlib.contextmanager
-def _claimed_id() -> Iterator[int]:
-    """An ID of ``IDS`` no other run holds, held (``flock``) until the block ends."""
-    start = os.getpid() % len(IDS)
-    for offset in range(len(IDS)):
-        pair_id = IDS[(start + offset) % len(IDS)]
+def _claimed_id(ids: range = IDS) -> Iterator[int]:
+    """An ID of ``ids`` no other run holds, held (``flock``) until the block ends."""
+    start = os.getpid() % len(ids)
+    for offset in range(len(ids)):
+        pair_id = ids[(start + offset) % len(ids)]
         with open(LOCKS / f"kvshare-two-hosts-{pair_id}.lock", "w") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -127,18 +127,19 @@ def _claimed_id() -> Iterator[int]:
                 continue
             yield pair_id
             return
-    raise RuntimeError(f"every namespace ID {IDS.start}-{IDS.stop - 1} is held by another run")
+    raise RuntimeError(f"every namespace ID {ids.start}-{ids.stop - 1} is held by another run")
 
 
 @contextlib.contextmanager
-def two_hosts(path: str | None = None) -> Iterator[TwoHosts]:
+def two_hosts(path: str | None = None, ids: range = IDS) -> Iterator[TwoHosts]:
     """A pair of hosts, taken down on the way out; skips the test where none can be made.
-    ``path``: the PATH the script runs with (a PATH without ``ip``: pyroute2 makes them)."""
+    ``path``: the PATH the script runs with (a PATH without ``ip``: pyroute2 makes them);
+    ``ids``: the namespace IDs this caller may use (suites running at once use others)."""
     why = _unavailable()
     if why is not None:
         pytest.skip(f"two hosts: {why}")
     env = script_env(path)
-    with _claimed_id() as pair_id:
+    with _claimed_id(ids) as pair_id:
         up = subprocess.run(
             ["bash", str(SCRIPT), "up", str(pair_id)], capture_output=True, text=True,
             env=env, timeout=60, check=False,
