@@ -5,24 +5,26 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from kvshare_connector.transfer import lanes
-from kvshare_connector.transfer.lanes import GET_ZCOPY, RMA_PPLN
+from kvshare_connector.transfer.lane_watch import Seen
+from kvshare_connector.transfer.lanes import GET_ZCOPY, RMA_PPLN, RX_SEG, TLS, TX_SEG
 from kvshare_connector.transfer.protocol import ProbeRef
 from kvshare_connector.transfer.records import LaneReport
 
 
 @pytest.fixture(autouse=True)
 def _forget_applied(monkeypatch):
-    """No lane variable set by an earlier in-process engine of this pytest process (its
+    """No UCX variable set by an earlier in-process engine of this pytest process (its
     loopback prefill leaves UCX_NET_DEVICES=lo here), restored afterwards."""
     monkeypatch.setattr(lanes, "_APPLIED", {})
-    for key in (GET_ZCOPY, RMA_PPLN, "UCX_NET_DEVICES"):
-        monkeypatch.setenv(key, "")  # remembers the value to restore, or that there was none
+    for key in [k for k in os.environ if k.startswith("UCX_")]:
         monkeypatch.delenv(key)
 
 
@@ -93,9 +95,9 @@ def test_a_loopback_side_channel_keeps_ucx_on_loopback():
 def test_where_ucx_is_not_restricted_the_plan_says_where_it_listens_and_why():
     on_lo, off_lo = reach(True), reach(False)
     beyond = lanes.plan_lane({"DRAM"}, vmm=False, environ={}, reach=off_lo)
-    assert beyond.chosen == {}
-    assert beyond.describe() == (
-        "UCX defaults; UCX listens on every network device (side channel on 10.0.0.5)"
+    assert NET_DEVICES not in beyond.chosen
+    assert beyond.describe().endswith(
+        "; UCX listens on every network device (side channel on 10.0.0.5)"
     )
     off = lanes.plan_lane({"VRAM"}, vmm=False, environ={}, mode="off", reach=on_lo)
     assert off.chosen == {} and "every network device (ucx_lane off; side channel on" in (
@@ -115,10 +117,13 @@ def test_a_later_plan_unsets_what_this_process_set_for_an_earlier_one():
     lanes.apply(lanes.plan_lane({"DRAM"}, vmm=False, environ=environ, reach=on_lo), environ)
     assert environ == {NET_DEVICES: "lo"}
     lanes.apply(lanes.plan_lane({"DRAM"}, vmm=False, environ=environ, reach=off_lo), environ)
-    assert environ == {}
+    remote = {k: v for k, (v, _) in lanes.REMOTE_TCP.items()}
+    assert environ == remote
+    lanes.apply(lanes.plan_lane({"DRAM"}, vmm=False, environ=environ, reach=on_lo), environ)
+    assert environ == {NET_DEVICES: "lo"}  # and back: the remote settings were this process's
     mine = {NET_DEVICES: "ib0"}  # the user's own value is never unset
     lanes.apply(lanes.plan_lane({"DRAM"}, vmm=False, environ=mine, reach=off_lo), mine)
-    assert mine == {NET_DEVICES: "ib0"}
+    assert mine == {NET_DEVICES: "ib0", **remote}
 
 
 @pytest.mark.parametrize(
@@ -140,23 +145,94 @@ def test_the_side_channels_reach(serves, connects, loopback, why):
     assert got.loopback is loopback and got.why.startswith(why)
 
 
+TCP = Seen("tcp", "eth1, 10.0.0.2:4000 -> 10.0.0.1:5000", "eth1")
+LO = Seen("tcp", "lo, 127.0.0.1:4000 -> 127.0.0.1:5000", "lo", loopback=True)
+NOTHING = Seen(None)
+TUNED = {TX_SEG: "256k", RX_SEG: "256k"}
+
+
+def verdict(kinds, gbps, seen, same_host=False, mine=None, theirs=TUNED, rdma=(), speeds=None):
+    return lanes.verdict(*kinds, gbps, seen, same_host, mine or {}, theirs, rdma, speeds or {})
+
+
 def test_a_slow_gpu_read_is_named_with_its_fix():
-    slow = lanes.verdict("VRAM", "VRAM", 0.5, same_host=True, environ={})
-    assert slow.slow and slow.lane == "software emulation (tcp)"
+    slow = verdict(("VRAM", "VRAM"), 0.5, LO, same_host=True)
+    assert slow.slow and slow.lane == "tcp" and slow.where.startswith("lo,")
     assert f"{GET_ZCOPY}=y" in slow.fix and "'auto'" in slow.fix
-    enabled = lanes.verdict("VRAM", "VRAM", 0.5, same_host=True, environ={GET_ZCOPY: "y"})
+    enabled = verdict(("VRAM", "VRAM"), 0.5, NOTHING, True, {GET_ZCOPY: "y"})
     assert enabled.slow and "UCX_TLS" in enabled.fix and "peer access" in enabled.fix
-    assert enabled.lane == "slow with cuda_ipc GET enabled"  # not named tcp: not known
-    remote = lanes.verdict("VRAM", "VRAM", 0.5, same_host=False, environ={GET_ZCOPY: "y"})
-    assert remote.slow and "RDMA" in remote.fix
+    assert enabled.lane == "cuda_ipc"  # no socket or RDMA port carried it
+    remote = verdict(("VRAM", "VRAM"), 0.5, TCP, False, {GET_ZCOPY: "y"})
+    assert remote.slow and "RDMA" in remote.fix and "UCX_NET_DEVICES" in remote.fix
 
 
-def test_a_fast_read_is_named_by_where_the_peer_is():
-    assert lanes.verdict("VRAM", "VRAM", 900.0, True, {}) == lanes.Verdict(
-        "cuda_ipc zero-copy", False
+def test_a_lane_is_named_by_what_carried_its_bytes():
+    assert verdict(("VRAM", "VRAM"), 900.0, NOTHING, True) == lanes.Verdict(
+        "cuda_ipc", False, None, "inside this machine"
     )
-    assert lanes.verdict("VRAM", "VRAM", 40.0, False, {}).lane == "GPU RDMA"
-    assert lanes.verdict("DRAM", "DRAM", 0.1, True, {}) == lanes.Verdict("host memory", False)
+    assert verdict(("DRAM", "DRAM"), 0.1, NOTHING).lane == "shm/cma"  # whatever the address
+    fast_rdma = verdict(("VRAM", "VRAM"), 40.0, Seen("rdma", "mlx5_0:1"))
+    assert fast_rdma == lanes.Verdict("rdma", False, None, "mlx5_0:1")
+    assert verdict(("VRAM", "VRAM"), 1.0, Seen("rdma", "mlx5_0:1")).slow  # no GPUDirect
+    tcp = verdict(("DRAM", "DRAM"), 1.2, TCP)
+    assert tcp == lanes.Verdict("tcp", False, None, TCP.where)  # tcp is the lane there is
+
+
+def test_a_slow_tcp_lane_names_its_fix():
+    """Issue 48 item 2: the fix names UCX_TLS, UCX_NET_DEVICES, or the segments."""
+    one_host = verdict(("DRAM", "DRAM"), 1.0, LO, True, {TLS: "tcp"})
+    assert one_host.slow and f"{TLS}=tcp leaves them out" in one_host.fix
+    containers = verdict(("DRAM", "DRAM"), 1.0, LO, True)
+    assert "--ipc=host --pid=host" in containers.fix
+    rdma = verdict(("DRAM", "DRAM"), 1.0, TCP, mine={TLS: "tcp"}, rdma=["mlx5_0:1"])
+    assert rdma.slow and "mlx5_0:1" in rdma.fix and f"{TLS} (now tcp)" in rdma.fix
+    assert "UCX_NET_DEVICES (now unset) naming mlx5_0:1" in rdma.fix
+    nic = verdict(("DRAM", "DRAM"), 1.0, TCP, speeds={"eth1": 1000, "eth2": 100000})
+    assert nic.slow and "UCX_NET_DEVICES=eth2" in nic.fix and "1000 Mb/s" in nic.fix
+    small = verdict(("DRAM", "DRAM"), 0.4, TCP, theirs={})
+    assert small.slow and "8 KiB messages" in small.fix and f"{TX_SEG}=256k" in small.fix
+    assert verdict(("DRAM", "DRAM"), 0.4, TCP, theirs={TX_SEG: "32k"}).slow
+    assert not verdict(("DRAM", "DRAM"), 0.4, TCP, theirs={TX_SEG: "64k"}).slow
+
+
+def test_remote_side_channels_get_the_tcp_settings():
+    """Issue 48 item 2: beyond loopback a READ may be tcp: larger segments, a mutex."""
+    plan = lanes.plan_lane({"DRAM"}, vmm=False, environ={}, reach=reach(False))
+    assert plan.chosen == {k: v for k, (v, _) in lanes.REMOTE_TCP.items()}
+    assert "UCX_TCP_TX_SEG_SIZE=256k (a tcp READ in 256 KiB messages" in plan.describe()
+    on_lo = lanes.plan_lane({"DRAM"}, vmm=False, environ={}, reach=reach(True))
+    assert TX_SEG not in on_lo.chosen  # one host: no tcp READ to tune
+    off = lanes.plan_lane({"DRAM"}, vmm=False, environ={}, mode="off", reach=reach(False))
+    assert off.chosen == {}
+    # the user's segments win, and ours fit around them (UCX refuses TX > RX)
+    big = lanes.plan_lane({"DRAM"}, False, environ={TX_SEG: "1m"}, reach=reach(False))
+    assert TX_SEG not in big.chosen and big.chosen[RX_SEG] == "1m"
+    small = lanes.plan_lane({"DRAM"}, False, environ={RX_SEG: "64k"}, reach=reach(False))
+    assert small.chosen[TX_SEG] == "64k" and RX_SEG not in small.chosen
+    assert "UCX_TCP_RX_SEG_SIZE=64k (yours, kept)" in small.describe()
+
+
+def test_every_ucx_setting_in_force_is_reported(monkeypatch):
+    """Not only the lane variables: UCX_TLS, UCX_PROTO_INFO, whatever the user set."""
+    environ = {"UCX_TLS": "tcp", "UCX_LOG_LEVEL": "info", "OTHER": "x"}
+    plan = lanes.plan_lane({"DRAM"}, False, environ=environ, reach=reach(False))
+    described = plan.describe()
+    assert "UCX_TLS=tcp (yours, kept)" in described
+    assert "UCX_LOG_LEVEL=info (yours, kept)" in described and "OTHER" not in described
+    lanes.apply(plan, environ)
+    assert lanes.effective(environ) == {**plan.chosen, "UCX_LOG_LEVEL": "info", "UCX_TLS": "tcp"}
+    assert lanes.describe_settings({}) == "UCX defaults"
+
+
+def test_segments_decode_cannot_receive_are_refused():
+    """A tcp segment larger than the peer receives crashes UCX (SIGSEGV, seen): refused."""
+    assert lanes.memunits("256k", 0) == 256 << 10 and lanes.memunits("1mb", 0) == 1 << 20
+    assert lanes.memunits("65536", 0) == 65536 and lanes.memunits("auto", 7) == 7
+    assert lanes.segment_problem({}, {}) is None  # UCX's defaults: 8k into 64k
+    assert lanes.segment_problem({TX_SEG: "64k"}, {}) is None
+    problem = lanes.segment_problem({TX_SEG: "256k"}, {})
+    assert problem and "64k, UCX default" in problem and RX_SEG in problem
+    assert lanes.segment_problem({TX_SEG: "256k"}, {RX_SEG: "256k"}) is None
 
 
 def test_local_hosts():
@@ -168,8 +244,9 @@ def test_local_hosts():
 def test_slow_lane_is_logged_as_a_warning_with_the_fix(caplog):
     from kvshare_connector.transfer.probe import log_lane
 
-    report = LaneReport("prefill-0", "127.0.0.1:5600", 8 << 20, 0.016, 0.52,
-                        "software emulation (tcp)", True, "set UCX_X=y")  # fmt: skip
+    report = LaneReport("prefill-0", "10.0.0.1:5600", 8 << 20, 0.016, 0.52, "tcp", True,
+                        "set UCX_X=y", where=TCP.where, ucx={"UCX_TLS": "tcp"},
+                        peer_ucx={TX_SEG: "8k"})  # fmt: skip
     ref = ProbeRef(0, 8 << 20, 0, 1, {}, kv_ipc_capable=False)
     with caplog.at_level(logging.INFO, logger="vllm.kvshare"):
         log_lane(report, ref)
@@ -177,15 +254,17 @@ def test_slow_lane_is_logged_as_a_warning_with_the_fix(caplog):
     assert record.levelno == logging.WARNING
     text = record.getMessage()
     assert "SLOW lane" in text and "set UCX_X=y" in text and "0.5 GB/s" in text
+    assert f": tcp ({TCP.where})" in text  # the transport and its path, not the address
+    assert f"UCX, prefill: {TX_SEG}=8k; decode: UCX_TLS=tcp" in text
     assert "UCX_RMA_PPLN_ENABLE=y" in text  # prefill's KV is VMM memory
 
 
 def test_kvshare_lane_between_two_processes():
-    """The CLI's probe on this (CPU) host: host memory, every byte checked."""
+    """The CLI's probe on this (CPU) host: shared memory, every byte checked."""
     from kvshare_connector.toolkit.lane import measure
 
     result = measure("cpu", "cpu", mib=1)
-    assert result["lane"] == "host memory" and not result["slow"]
+    assert result["lane"] == "shm/cma" and not result["slow"]
     assert result["nbytes"] == 1 << 20 and result["gbps"] > 0
     assert result["decode_settings"] == "UCX defaults"
 
@@ -202,6 +281,48 @@ def test_kvshare_lane_keeps_forced_settings_where_cuda_ipc_cannot_work(monkeypat
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["lane"] == "host memory" and not result["slow"]
+    assert result["lane"] == "shm/cma" and not result["slow"]
     assert f"{GET_ZCOPY}=y (yours, kept)" in result["decode_settings"]
     assert f"{RMA_PPLN}=y (yours, kept)" in result["prefill_settings"]
+
+
+def test_decode_refuses_a_prefill_whose_segments_it_cannot_receive(monkeypatch):
+    """Through the real handshake: a prefill process sending 1 MiB tcp segments (its UCX
+    settings come in the handshake) is refused by a decode receiving UCX's 64 KiB before
+    any READ, naming the fix. Control: the same decode receiving 1 MiB reads it."""
+    from kvshare_connector.devtools.demo import build, request_block_ids
+    from kvshare_connector.transfer.kv_params import remote_prefill_params
+    from kvshare_connector.transfer.nixl import NixlTransport
+    from kvshare_connector.transfer.settings import EngineSettings
+    from kvshare_connector.transfer.sink import KVSink
+
+    from .support.transfer_peer import PeerProcess
+
+    tokens, spec = 300, {"name": "big", "model": "g4tiny", "layout": "per_layer", "requests": 2}
+    spec = {**spec, "tokens": tokens, "kv_mib": 32, "seed": 41, "port": 0}
+    stack, topology = build("g4tiny", "per_layer", 16, 2048)
+    sink = KVSink(topology, NixlTransport(f"seg-{os.getpid()}", progress_thread=False),
+                  EngineSettings(f"seg-{os.getpid()}", transfer_timeout_s=30.0))  # fmt: skip
+    sink.peers.retry_s = 0.0
+
+    def read(index: int) -> str | None:
+        params = remote_prefill_params(peer.request("big", index)["kv_transfer_params"])
+        sink.request(f"r{index}", params, request_block_ids(topology, tokens, seed=index))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            done, failed = sink.poll()
+            if f"r{index}" in done or failed:
+                return failed.get(f"r{index}")
+            time.sleep(0.002)
+        raise AssertionError("the read did not finish")
+
+    try:
+        with PeerProcess([spec], env={TX_SEG: "1m", RX_SEG: "1m"}) as peer:
+            refused = read(0)
+            assert refused and "UCX would crash on the first READ" in refused, refused
+            assert f"{RX_SEG} here at least {TX_SEG} there" in refused
+            monkeypatch.setenv(RX_SEG, "1m")  # what UCX reads at start: this decode's report
+            assert read(1) is None
+    finally:
+        sink.close()
+        del stack

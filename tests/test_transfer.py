@@ -492,7 +492,7 @@ def test_lane_probe_measures_and_verifies_before_the_first_read(peer, decoders):
     assert_landed(decoder, decoder.read(request, local_ids, new_id("probed")), local_ids)
     (lane,) = decoder.sink.take_lanes()
     assert lane.peer == peer.source("probed")["engine_id"]
-    assert lane.lane == "host memory" and not lane.slow and lane.fix is None
+    assert lane.lane == "shm/cma" and not lane.slow and lane.fix is None  # one host, CMA
     assert lane.nbytes == 1 << 20 and lane.gbps > 0 and lane.seconds > 0
     assert lane.reads == 3  # a fast lane: no READ again
     assert decoder.sink.take_lanes() == []
@@ -510,7 +510,7 @@ def test_a_slow_reading_is_read_again_before_the_lane_is_called_slow(peer, decod
     monkeypatch.setattr(probe, "RETRY_GAP_S", 0.1)
     speeds: list[float] = []
 
-    def always_slow(local_kind, remote_kind, gbps, same_host):
+    def always_slow(local_kind, remote_kind, gbps, *_):
         speeds.append(gbps)
         return Verdict("slow with cuda_ipc GET enabled", True, "check UCX_TLS")
 

@@ -75,10 +75,11 @@ class ConnectorOptions:
                                                        "or `host` (every port: warned). "
                                                        "Hosts compared as written, not "
                                                        "resolved (docs/configuration.md).")
-    ucx_lane: str = _option("auto", "`auto`: set UCX's fast-lane settings before NIXL starts, "
-                            "and UCX_NET_DEVICES to loopback where every side channel is "
-                            "on loopback (your own UCX_* values win); `off`: leave UCX's "
-                            "defaults.", "KVSHARE_UCX_LANE")
+    ucx_lane: str = _option("auto", "`auto`: set UCX's fast-lane settings before NIXL starts: "
+                            "UCX_NET_DEVICES to loopback where every side channel is on "
+                            "loopback, larger tcp segments and a mutex where one reaches "
+                            "beyond (docs/performance.md; your own UCX_* values win); "
+                            "`off`: leave UCX's defaults.", "KVSHARE_UCX_LANE")
     lane_probe_mib: float = _option(8.0, "Decode READs this much from each new prefill to "
                                     "check and measure the lane; 0: no probe.")
     nixl_progress_thread: bool = _option(True, "NIXL's background progress thread.",

@@ -9,7 +9,9 @@ descriptor: what a packed request is (the staging area is plain device memory, a
 buffer is). A lane that reads slow is READ again, spaced out, for ``PATIENCE_S`` before it
 is called slow: on one GPU shared by several engines a probe that runs while the others
 start (8 at once in the fault matrix of 2026-12-03d) moved 8 MiB over cuda_ipc zero-copy
-at 2.4 GB/s, which read as the slow lane.
+at 2.4 GB/s, which read as the slow lane. The lane is named by what carried the timed
+READs' bytes (``transfer.lane_watch``: this process's TCP sockets, the host's RDMA ports,
+else neither), with both sides' UCX settings (prefill's come in its ``ProbeRef``).
 torch is imported lazily: the transfer layer stays importable without it.
 """
 
@@ -23,7 +25,8 @@ import numpy as np
 
 from kvshare_connector.common.log import get_logger
 from kvshare_connector.layout.topology import Region
-from kvshare_connector.transfer import protocol
+from kvshare_connector.transfer import lanes, protocol
+from kvshare_connector.transfer.lane_watch import LaneWatch
 from kvshare_connector.transfer.lanes import Verdict, is_local_host, verdict
 from kvshare_connector.transfer.nixl import NixlTransport, TransportError
 from kvshare_connector.transfer.records import LaneReport
@@ -39,6 +42,10 @@ TIMED_READS = 3
 PATIENCE_S = 2.0  # a slow lane is READ again for this long before it is called slow
 RETRY_GAP_S = 0.2  # between those READs: a busy spell of the GPU may pass
 SPIN_S = 0.25  # a timed READ is watched this long on the engine thread (once per peer)
+# after this long a watched READ is looked at every YIELD_S, not in a spin: each look
+# takes UCX's worker lock, which NIXL's progress thread needs to receive a tcp READ's bytes
+SPIN_ONLY_S = 0.001
+YIELD_S = 0.0001
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # as int64
 
 
@@ -129,6 +136,7 @@ class LaneProbe:
         address: str,
         same_host: bool,
         remote_kind: str,
+        peer_ucx: dict[str, str] | None = None,
     ):
         self.transport = transport
         self.local = local
@@ -138,6 +146,8 @@ class LaneProbe:
         self.seed = seed
         self.peer, self.address, self.same_host = peer, address, same_host
         self.remote_kind = remote_kind
+        self.peer_ucx = dict(peer_ucx or {})  # prefill's UCX settings (its ProbeRef's)
+        self._watch = LaneWatch(address.rpartition(":")[0].strip("[]"))
         self._handle: Any = None
         self._posted = 0.0
         self._times: list[float] = []
@@ -162,13 +172,12 @@ class LaneProbe:
             if time.perf_counter() < self._not_before:
                 return None
             self.local.clear()
+            if self._warm and not self._times:
+                self._watch.start()
             self._post()
             if self._warm and not self._times:
                 self._first_timed = self._posted
-        deadline = time.perf_counter() + (SPIN_S if self._warm else 0.0)
-        state = self.transport.state(self._handle)
-        while state == "PROC" and time.perf_counter() < deadline:
-            state = self.transport.state(self._handle)
+        state = self._watch_read(SPIN_S if self._warm else 0.0)
         if state == "PROC":
             return None
         elapsed = time.perf_counter() - self._posted
@@ -189,7 +198,12 @@ class LaneProbe:
             )
         seconds = min(self._times)
         gbps = self.nbytes / seconds / 1e9
-        found: Verdict = verdict(self.local.region.mem_kind, self.remote_kind, gbps, self.same_host)
+        mine = lanes.effective()
+        seen = self._watch.seen(self.nbytes * len(self._times))
+        found: Verdict = verdict(
+            self.local.region.mem_kind, self.remote_kind, gbps, seen, self.same_host,
+            mine, self.peer_ucx,
+        )  # fmt: skip
         now = time.perf_counter()
         if found.slow and now - self._first_timed < PATIENCE_S:
             self._not_before = now + RETRY_GAP_S
@@ -197,7 +211,20 @@ class LaneProbe:
         return LaneReport(
             self.peer, self.address, self.nbytes, seconds, gbps, found.lane, found.slow,
             found.fix, reads=len(self._times), spread_s=now - self._first_timed,
+            where=found.where, ucx=mine, peer_ucx=self.peer_ucx,
         )  # fmt: skip
+
+    def _watch_read(self, spin_s: float) -> str:
+        """The READ's state, watched for up to ``spin_s``: in a spin for ``SPIN_ONLY_S``,
+        then every ``YIELD_S``."""
+        now = time.perf_counter()
+        deadline, spin_until = now + spin_s, now + min(spin_s, SPIN_ONLY_S)
+        state = self.transport.state(self._handle)
+        while state == "PROC" and (now := time.perf_counter()) < deadline:
+            if now > spin_until:
+                time.sleep(YIELD_S)
+            state = self.transport.state(self._handle)
+        return state
 
     def cancel(self) -> None:
         if self._handle is not None:
@@ -230,7 +257,7 @@ class Lanes:
         if peer.agent in self._measured:
             return True
         ref: protocol.ProbeRef | None = peer.probe
-        if self.buffer is None or ref is None:
+        if self.buffer is None or ref is None or ref.nbytes == 0:
             self._measured[peer.agent] = None
             return True
         probe = self._probes.get(peer.agent)
@@ -238,7 +265,7 @@ class Lanes:
             remote = Region(ref.addr, ref.nbytes, ref.device_id)
             probe = LaneProbe(
                 self.transport, self.buffer, peer.agent, remote, ref.seed, peer.engine_id,
-                f"{host}:{port}", is_local_host(host), remote.mem_kind,
+                f"{host}:{port}", is_local_host(host), remote.mem_kind, ref.ucx,
             )  # fmt: skip
             self._probes[peer.agent] = probe
         if peer.agent in self._moved:
@@ -266,10 +293,12 @@ class Lanes:
 def log_lane(report: LaneReport, ref: protocol.ProbeRef) -> None:
     """One line per measured lane; a warning with the fix when it is the slow one."""
     line = (
-        f"KV lane from prefill {report.peer} at {report.address}: {report.lane}, "
-        f"{report.gbps:.1f} GB/s (probe READ of {report.nbytes / 2**20:.0f} MiB, "
-        f"{report.seconds * 1e6:.0f} us, the fastest of {report.reads} over "
-        f"{report.spread_s:.1f} s, bytes verified; prefill UCX {ref.ucx or 'defaults'})"
+        f"KV lane from prefill {report.peer} at {report.address}: {report.lane} "
+        f"({report.where}), {report.gbps:.1f} GB/s (probe READ of "
+        f"{report.nbytes / 2**20:.0f} MiB, {report.seconds * 1e6:.0f} us, the fastest of "
+        f"{report.reads} over {report.spread_s:.1f} s, bytes verified); UCX, prefill: "
+        f"{lanes.describe_settings(report.peer_ucx)}; decode: "
+        f"{lanes.describe_settings(report.ucx)}"
     )
     if ref.kv_ipc_capable is False:
         line += "; prefill's KV is VMM memory: its block-by-block reads need UCX_RMA_PPLN_ENABLE=y"

@@ -31,7 +31,9 @@ from kvshare_connector.layout.topology import (
 # 5: handshake replies name a lane probe, releases carry the reader's claim token.
 # 7: claim replies say how long prefill took to answer. 8: handshake replies name the
 # agent's nameplate (``transfer.nameplate``); claims name blocks in the request's order.
-PROTOCOL_VERSION = 8
+# 9: a handshake reply names prefill's UCX settings always (a ``ProbeRef`` of 0 bytes where
+# it has no probe), for decode to refuse segments it cannot receive.
+PROTOCOL_VERSION = 9
 NOTIF_PREFIX = b"kvshare:v2:"
 NOTIF_DONE = b"done:"  # decode read the blocks: free them
 NOTIF_ABORT = b"abort:"  # decode gave up on the request: free them too
@@ -285,8 +287,10 @@ class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
 
 class ProbeRef(msgspec.Struct, forbid_unknown_fields=True):
     """Prefill's lane probe (``transfer.probe``): READ ``nbytes`` at ``addr``, expect the
-    pattern of ``seed``. ``ucx``: prefill's UCX lane settings; ``kv_ipc_capable``: whether
-    cuda_ipc can export its KV memory (False: VMM, e.g. kvcached; None: unknown)."""
+    pattern of ``seed`` (``nbytes`` 0: no probe, the settings alone). ``ucx``: prefill's UCX
+    settings in force (every ``UCX_*``, at most 64), whose tcp segments decode checks
+    against its own before any READ; ``kv_ipc_capable``: whether cuda_ipc can export its KV
+    memory (False: VMM, e.g. kvcached; None: unknown)."""
 
     addr: int
     nbytes: int

@@ -74,11 +74,14 @@ class LaneReport:
     nbytes: int
     seconds: float  # the fastest timed READ, posted -> seen done
     gbps: float
-    lane: str
+    lane: str  # tcp, rdma, cuda_ipc, shm/cma (``lanes.verdict``)
     slow: bool
     fix: str | None
     reads: int = 1  # timed READs made (more than ``TIMED_READS`` when the lane read slow)
     spread_s: float = 0.0  # from the first timed READ to the verdict
+    where: str = ""  # what carried the bytes: interface and socket ends, RDMA port, machine
+    ucx: dict[str, str] = field(default_factory=dict)  # decode's UCX_* settings in force
+    peer_ucx: dict[str, str] = field(default_factory=dict)  # prefill's, from its handshake
 
 
 @dataclass(frozen=True)

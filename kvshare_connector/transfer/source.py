@@ -25,7 +25,7 @@ from kvshare_connector.transfer import protocol
 from kvshare_connector.transfer.digests import Digester, PendingDigests
 from kvshare_connector.transfer.held import Held, Packed, digest_msgs, order_difference, over_caps
 from kvshare_connector.transfer.kv_params import host_problem
-from kvshare_connector.transfer.lanes import LaneInfo
+from kvshare_connector.transfer.lanes import LaneInfo, effective, wire_settings
 from kvshare_connector.transfer.nameplate import NAMEPLATE_BYTES, Nameplate
 from kvshare_connector.transfer.nixl import NixlTransport
 from kvshare_connector.transfer.packing import Packer
@@ -129,17 +129,21 @@ class KVSource:
         self.nameplate.write(self.server.destination)
         self._reply = protocol.encode(reply)
 
-    def _probe_ref(
-        self, probe: ProbeBuffer | None, lane: LaneInfo | None
-    ) -> protocol.ProbeRef | None:
-        """Register the lane probe (decode measures the lane with it) and name it."""
+    def _probe_ref(self, probe: ProbeBuffer | None, lane: LaneInfo | None) -> protocol.ProbeRef:
+        """Register the lane probe (decode measures the lane with it) and name it, with this
+        engine's UCX settings (without ``lane``: this process's); no probe: 0 bytes."""
+        lane = lane or LaneInfo(effective())
         if probe is None or probe.seed is None:
-            return None
+            return protocol.ProbeRef(0, 0, -1, 0, wire_settings(lane.settings))
         self.transport.register([probe.region])
         r = probe.region
-        lane = lane or LaneInfo()
         return protocol.ProbeRef(
-            r.addr, r.nbytes, r.device_id, probe.seed, dict(lane.settings), lane.kv_ipc_capable
+            r.addr,
+            r.nbytes,
+            r.device_id,
+            probe.seed,
+            wire_settings(lane.settings),
+            lane.kv_ipc_capable,
         )
 
     def take_refused(self) -> dict[str, int]:

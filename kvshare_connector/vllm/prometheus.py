@@ -90,8 +90,8 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
         )
         self.lane_gbps = self._gauge_cls(
             name="vllm:kvshare_lane_probe_gbps",
-            documentation="GB/s of the lane probe READ from each prefill, labelled by lane "
-            "(cuda_ipc zero-copy, GPU RDMA, host memory, software emulation (tcp)).",
+            documentation="GB/s of the lane probe READ from each prefill, labelled by the "
+            "transport that carried its bytes (tcp, rdma, cuda_ipc, shm/cma).",
             labelnames=[*labelnames, "peer", "lane"],
             multiprocess_mode="mostrecent",
         )
