@@ -27,7 +27,7 @@ from kvshare_connector.backends.options import ConnectorOptions
 from kvshare_connector.common.log import get_logger
 from kvshare_connector.layout import kvcached
 from kvshare_connector.transfer.addresses import advertised_host
-from kvshare_connector.vllm import compat
+from kvshare_connector.vllm import compat, prefix_hits
 from kvshare_connector.vllm.adapter import engine_identity
 from kvshare_connector.vllm.metadata import KVShareMetadata, KVShareWorkerMeta
 from kvshare_connector.vllm.parallel import model_kv_heads, tensor_parallel
@@ -96,11 +96,14 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self.scheduler: KVShareScheduler | None = None
         self.worker: KVShareWorker | None = None
+        self._group_hits = False  # decode: each KV cache group keeps its own prefix hit
         if role == KVConnectorRole.SCHEDULER:
             context = scheduler_context(
                 vllm_config, kv_cache_config, self.engine_id, host, port, options
             )
             self.scheduler = KVShareScheduler(context, backend)
+            if config.kv_role != "kv_producer" and self.scheduler.backend.group_hits:
+                self._group_hits = prefix_hits.install(kv_cache_config, self.scheduler)
         else:
             model = vllm_config.model_config
             worker_context = WorkerContext(
@@ -121,6 +124,12 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
     @property
     def prefer_cross_layer_blocks(self) -> bool:
         return self._cross_layer
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        """vLLM >= 0.34: a decode load completes a full-attention prefix hit deeper than
+        the sliding-window groups' (``vllm/prefix_hits.py``)."""
+        return self._group_hits
 
     # ---- worker side --------------------------------------------------------------------
 

@@ -96,6 +96,24 @@ def test_block_counts_other_than_the_rule_are_refused(
         align_block_ids(local, remote, [FULL16, SLIDE32], tokens, cached, remote_tokens)
 
 
+def test_each_group_pairs_past_its_own_hit():
+    """Issue 50: 320 tokens whose first 224 full attention holds (14 blocks) and the
+    sliding-window group none (its window at 224 was never loaded): full attention loads
+    positions 14..19, the window positions 6..9, each paired at prefill's tail. The same
+    blocks under one hit for both, either way, are refused; so is a hit per group that
+    names another number of groups."""
+    groups = [FULL16, SLIDE32]
+    local = [list(range(100, 106)), [60, 61, 62, 63]]
+    remote = [list(range(1, 21)), [0, 51, 52, 53, 54]]
+    out_l, out_r = align_block_ids(local, remote, groups, 320, (224, 192), 320)
+    assert out_l == local and out_r == [list(range(15, 21)), [51, 52, 53, 54]]
+    for one, group in ((224, 1), (192, 0), (0, 0)):
+        with pytest.raises(kv_params.KVTransferParamsError, match=f"group {group}: prefill"):
+            align_block_ids(local, remote, groups, 320, one, 320)
+    with pytest.raises(kv_params.KVTransferParamsError, match="name 3 KV cache group"):
+        align_block_ids(local, remote, groups, 320, (224, 192, 0), 320)
+
+
 def test_remote_null_block_paired_with_a_real_local_block_is_refused():
     with pytest.raises(kv_params.KVTransferParamsError, match="group 1, position 0 of decode's"):
         align_block_ids([[5, 6], [7, 8]], [[1, 2], [0, 9]])

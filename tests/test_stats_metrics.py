@@ -59,3 +59,27 @@ def test_stats_carry_lanes_and_the_load_timeline_to_prometheus():
             " 1.0" in text
         ), phase
     assert 'vllm:kvshare_read_seconds_count{engine="0",model_name="m"} 2.0' in text
+
+
+def test_prefix_hit_tokens_are_a_prometheus_counter():
+    """Decode's scheduler counts, per load, the prompt tokens its own prefix cache held (not
+    read) and the tokens the load brought; vLLM sums the engine's steps into one series."""
+    stats = KVShareStats()
+    stats.count("prefix_hit_tokens", 224)
+    stats.count("loaded_tokens", 96)
+    step = KVShareStats()
+    step.count("prefix_hit_tokens", 1536)
+    step.count("loaded_tokens", 512)
+    stats.aggregate(step)
+    assert not stats.is_empty()
+    reduced = stats.reduce()
+    assert reduced["prefix_hit_tokens"] == 1760 and reduced["loaded_tokens"] == 608
+
+    registry = CollectorRegistry()
+    config = SimpleNamespace(kv_transfer_config=None)
+    metrics = KVSharePromMetrics(config, _registry_types(registry), ["engine"], {0: ["0"]})
+    metrics.observe(stats.data, engine_idx=0)
+    metrics.observe(KVShareStats().data, engine_idx=0)  # a step without loads adds nothing
+    text = generate_latest(registry).decode()
+    assert 'vllm:kvshare_prefix_hit_tokens_total{engine="0"} 1760.0' in text
+    assert 'vllm:kvshare_loaded_tokens_total{engine="0"} 608.0' in text

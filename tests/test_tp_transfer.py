@@ -22,7 +22,7 @@ import pytest
 
 from kvshare_connector.devtools.cpu_stack import build_cpu_stack, topology_of
 from kvshare_connector.devtools.demo import requests_block_ids
-from kvshare_connector.devtools.headcheck import head_mismatches
+from kvshare_connector.devtools.headcheck import fill_heads, head_mismatches
 from kvshare_connector.layout import sharding
 from kvshare_connector.transfer import kv_params, shards
 from kvshare_connector.transfer.nixl import NixlTransport
@@ -206,3 +206,54 @@ def test_ports_that_name_another_rank_are_refused(peer):
     finally:
         for r in ranks:
             r.sink.close()
+
+
+def test_each_group_reads_past_its_own_hit_under_tp(peer):
+    """Issue 50 under TP (prefill TP1 -> decode TP2, four KV heads split): each KV cache
+    group holds a hit of its own (0, 1 or 2 blocks); the blocks below it keep decode's own
+    KV, those past it get prefill's heads on both ranks. Negative control, same checks: the
+    same read with no hit writes prefill's KV over decode's own, and is seen."""
+    name, mark = "p4h_tp1", 4242  # the KV decode held in its hit's blocks
+    for control in (False, True):
+        ranks = decode_engine(2, 4)
+        try:
+            index = NEXT_REQUEST.get(name, 0)
+            NEXT_REQUEST[name] = index + 1
+            request = peer.ready[name]["requests"][index]
+            params = kv_params.remote_prefill_params(request["params"])
+            table = requests_block_ids(ranks[0].topology, TOKENS, 1, 700 + index)[0]
+            sizes = [g.spec.block_size for g in ranks[0].topology.groups]
+            hits = [(g % 3) * size for g, size in enumerate(sizes)]
+            held = [ids[: h // s] for ids, h, s in zip(table, hits, sizes, strict=True)]
+            past = [ids[len(h) :] for ids, h in zip(table, held, strict=True)]
+            local = table if control else past
+            for r in ranks:
+                for region in r.topology.regions:
+                    ctypes.memset(region.addr, 0, region.nbytes)
+                fill_heads(r.stack.kv_caches, r.topology, r.shard, held, seed=mark)
+                r.sink.request(f"d-{request['request_id']}", params, local, TOKENS,
+                               0 if control else hits)  # fmt: skip
+            deadline, done = time.monotonic() + 60, [False] * len(ranks)
+            while not all(done) and time.monotonic() < deadline:
+                for i, r in enumerate(ranks):
+                    finished, failed = r.sink.poll()
+                    assert not failed, failed
+                    done[i] = done[i] or bool(finished)
+                time.sleep(0.002)
+            assert all(done)
+            # prefill's heads everywhere but in the hit's blocks, which hold decode's own
+            _, problems = check(ranks, request, table)
+            wrong = {int(p.split(" block ")[1].split()[0]) for p in problems}
+            hit_ids = {b for ids in held for b in ids}
+            compared, kept = 0, []
+            for r in ranks:
+                n, found = head_mismatches(r.stack.kv_caches, r.topology, r.shard, held, mark)
+                compared, kept = compared + n, kept + found
+            assert hit_ids and compared > 0
+            if control:
+                assert kept and not wrong, "the negative control was not caught"
+            else:
+                assert wrong == hit_ids and kept == [], (sorted(wrong), kept[:3])
+        finally:
+            for r in ranks:
+                r.sink.close()

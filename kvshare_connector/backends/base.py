@@ -122,6 +122,12 @@ class PrefillResult:
 class SchedulerBackend(ABC):
     """Scheduler side: per-request decisions, collected into each step's work orders."""
 
+    # Decode loads into each KV cache group's blocks past that group's own prefix hit
+    # (``DecodeRequest.new_block_ids``), so vLLM may give the groups different hits
+    # (``vllm/prefix_hits.py``); a backend that loads tokens from one position in every
+    # group (LMCache) says False.
+    group_hits: ClassVar[bool] = False
+
     def __init__(self, context: SchedulerContext):
         self.context = context
 

@@ -52,11 +52,14 @@ class RecvRequest(LoadOrder):
 
     params: RemotePrefillParams
     num_tokens: int | None = None  # decode's prompt length: the sink checks block counts
-    num_local_tokens: int = 0  # of which cached locally
+    # cached locally, per KV cache group (each group's blocks before ``local_block_ids``)
+    num_local_tokens: tuple[int, ...] = ()
     release_only: bool = False
 
 
 class NixlScheduler(SchedulerBackend):
+    group_hits = True
+
     def decode_allocated(self, request: DecodeRequest) -> RecvRequest:
         nothing = request.num_external_tokens <= 0  # all cached locally: only free prefill
         return RecvRequest(
@@ -66,9 +69,22 @@ class NixlScheduler(SchedulerBackend):
             else self.context.clip_to_windows(request.new_block_ids),
             request.params,
             len(request.prompt_token_ids),
-            request.num_local_tokens,
+            self._local_tokens(request),
             release_only=nothing,
         )
+
+    def _local_tokens(self, request: DecodeRequest) -> tuple[int, ...]:
+        """Each group's own hit, in tokens: where its blocks allocated for the load start
+        (the hit's blocks and a window's null ones come first). The request's hit for every
+        group where the new blocks are not the table's tail (the sink then refuses)."""
+        out = []
+        sizes = self.context.block_sizes
+        for ids, new, size in zip(request.block_ids, request.new_block_ids, sizes, strict=True):
+            first = len(ids) - len(new)
+            if list(ids[first:]) != list(new):
+                return (request.num_local_tokens,) * len(sizes)
+            out.append(first * size)
+        return tuple(out)
 
     def decode_aborted(self, request_id: str, params: RemotePrefillParams) -> RecvRequest:
         # Aborted before blocks were allocated: prefill still holds blocks for it.
@@ -188,7 +204,7 @@ class NixlWorker(WorkerBackend):
                     order.params,
                     order.local_block_ids,
                     order.num_tokens,
-                    order.num_local_tokens,
+                    order.num_local_tokens or 0,
                 )
             except Exception as exc:  # one request fails, never the engine
                 if not order.release_only:

@@ -45,15 +45,23 @@ def fill(
     topology: KVTopology,
     block_ids: Sequence[Sequence[int]],
     seed: int = 0,
+    seeds: Sequence[Sequence[int]] | None = None,
+    first_positions: Sequence[int] | None = None,
 ) -> None:
-    """Write the pattern into every owner's blocks of a request (block ids per group)."""
-    for group, ids in zip(topology.groups, block_ids, strict=True):
+    """Write the pattern into every owner's blocks of a request (block ids per group).
+
+    ``seeds[g][i]``: the seed of group g's i-th listed block, in place of ``seed`` (a
+    pattern keyed by the tokens up to each block, as a causal model's KV is);
+    ``first_positions[g]``: the position in the request of group g's first listed block."""
+    for g, (group, ids) in enumerate(zip(topology.groups, block_ids, strict=True)):
+        first = first_positions[g] if first_positions is not None else 0
         for name in group.layer_names:
             owner = topology.owners[name]
             view = _as_int16(kv_caches[name])
-            for position, block in enumerate(ids):
+            for i, block in enumerate(ids):
                 target = _block_slice(view, owner.labels, owner.spec.block_size, block)
-                target.copy_(pattern(name, position, target.shape, seed))
+                s = seeds[g][i] if seeds is not None else seed
+                target.copy_(pattern(name, first + i, target.shape, s))
 
 
 def mismatches(
@@ -64,21 +72,25 @@ def mismatches(
     seed: int = 0,
     first_positions: Sequence[int] | None = None,
     num_tokens: int | None = None,
+    seeds: Sequence[Sequence[int]] | None = None,
 ) -> list[str]:
     """Layers (sharers read through their alias) whose blocks do not hold the pattern.
 
     ``first_positions[g]``: the position in the request of group g's first listed block
     (a sliding-window group keeps only its tail). ``num_tokens``: compare only the slots
     of the request's tokens (a per-token transfer leaves the rest of a last block alone).
+    ``seeds[g][i]``: the seed of group g's i-th listed block (see ``fill``).
     """
     problems = []
     for name in layers if layers is not None else kv_caches:
         owner = topology.owners[topology.resolve(name)]
         view = _as_int16(kv_caches[name])
         first = first_positions[owner.group] if first_positions is not None else 0
-        for position, block in enumerate(block_ids[owner.group], start=first):
+        for i, block in enumerate(block_ids[owner.group]):
+            position = first + i
+            s = seeds[owner.group][i] if seeds is not None else seed
             got = _block_slice(view, owner.labels, owner.spec.block_size, block)
-            same = got == pattern(owner.name, position, got.shape, seed)
+            same = got == pattern(owner.name, position, got.shape, s)
             if num_tokens is not None:
                 valid = num_tokens - position * owner.spec.block_size
                 same |= _token_index(got, owner.labels) >= valid

@@ -64,3 +64,33 @@ class LoadSkippingConnector(KVShareConnector):
         self._skipped = set()
         failed = set(results.failed_recving or ())
         return compat.transfer_results(results.finished_sending, recving - failed, failed)
+
+
+OVERWRITE_HITS = "kvshare_test_overwrite_hits"
+
+
+class HitOverwritingConnector(KVShareConnector):
+    """A request whose kv_transfer_params carry ``"kvshare_test_overwrite_hits": true``
+    reads prefill's whole prompt into every block of its table, its prefix-cache hit's
+    blocks included (what a load that ignored decode's hit would write): a check that
+    decode's hit blocks keep decode's own KV must then fail. Other requests load as with
+    KVShareConnector."""
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        if (request.kv_transfer_params or {}).get(OVERWRITE_HITS) and self.scheduler:
+            self.scheduler._local_tokens[request.request_id] = 0
+            blocks = _EveryBlock(blocks)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+
+class _EveryBlock:
+    """vLLM's ``KVCacheBlocks`` whose hit blocks pass for blocks allocated for the load."""
+
+    def __init__(self, blocks: Any):
+        self._blocks = blocks
+
+    def get_block_ids(self) -> Any:
+        return self._blocks.get_block_ids()
+
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        return [[b.block_id for b in group if not b.is_null] for group in self._blocks.blocks]

@@ -2,7 +2,9 @@
 cannot produce (a wrong pairing moves bytes into the wrong place and nobody notices).
 
 The exact rule, per KV cache group of block size ``B`` (sliding window ``W`` or none), for a
-prompt of ``P`` tokens of which decode had ``L`` in its local prefix cache:
+prompt of ``P`` tokens of which decode had ``L`` in that group's local prefix cache (each
+group's own hit: a full-attention group may hold a shared prefix whose window a
+sliding-window group lacks, ``vllm/prefix_hits.py``):
 
 * prefill sends its table for the ``N = remote_num_tokens`` tokens it computed (vLLM clips
   it to ``cdiv(N, B)`` blocks), a sliding-window group clipped to its tail of
@@ -53,15 +55,17 @@ def align_block_ids(
     remote: BlockIds,
     groups: Sequence[GroupSpec] | None = None,
     num_tokens: int | None = None,
-    num_local_tokens: int = 0,
+    num_local_tokens: int | Sequence[int] = 0,
     remote_num_tokens: int | None = None,
 ) -> tuple[list[list[int]], list[list[int]]]:
     """Pair a request's blocks per group at the tail; ``BlockIdsMismatch`` unless the
-    counts are exactly the module's rule (equal counts without ``num_tokens``)."""
+    counts are exactly the module's rule (equal counts without ``num_tokens``).
+    ``num_local_tokens``: decode's hit, one for every group or one per group."""
     if len(local) != len(remote):
         raise KVTransferParamsError(
             f"remote_block_ids has {len(remote)} group(s), this engine has {len(local)}"
         )
+    hits = per_group(num_local_tokens, len(local))
     if num_tokens is not None and remote_num_tokens is not None and num_tokens != remote_num_tokens:
         raise BlockIdsMismatch(
             f"prefill computed {remote_num_tokens} tokens, this request's prompt has "
@@ -72,12 +76,12 @@ def align_block_ids(
         if num_tokens is not None and groups is not None:
             spec = groups[g].spec
             want_r, want_l = expected_counts(
-                num_tokens, num_local_tokens, spec.block_size, spec.sliding_window
+                num_tokens, hits[g], spec.block_size, spec.sliding_window
             )
             if (len(rids), len(lids)) != (want_r, want_l):
                 raise BlockIdsMismatch(
                     f"group {g}: prefill sent {len(rids)} block(s) and decode holds "
-                    f"{len(lids)}, a prompt of {num_tokens} tokens with {num_local_tokens} "
+                    f"{len(lids)}, a prompt of {num_tokens} tokens with {hits[g]} "
                     f"cached locally needs {want_r} and {want_l}"
                     + (f" (window {spec.sliding_window})" if spec.sliding_window else "")
                 )
@@ -107,6 +111,32 @@ def align_block_ids(
         out_local.append([lb for lb, _ in pairs])
         out_remote.append([rb for _, rb in pairs])
     return out_local, out_remote
+
+
+def per_group(num_local_tokens: int | Sequence[int], num_groups: int) -> list[int]:
+    """Decode's hit in each of ``num_groups`` groups (one number: the same in all)."""
+    if isinstance(num_local_tokens, int):
+        return [num_local_tokens] * num_groups
+    hits = [int(n) for n in num_local_tokens]
+    if len(hits) != num_groups:
+        raise KVTransferParamsError(
+            f"decode's prefix hits name {len(hits)} KV cache group(s), it has {num_groups}"
+        )
+    return hits
+
+
+def token_counts(
+    num_tokens: int | None, num_local_tokens: int | Sequence[int], groups: Sequence[GroupSpec]
+) -> tuple[int | None, int | None]:
+    """(tokens decode's prefix cache held, tokens the load brings) of a prompt of
+    ``num_tokens``: the hit is the full-attention groups' (every token's KV is there; a
+    sliding-window group's blocks before its window are not kept anyway)."""
+    if num_tokens is None:
+        return None, None
+    hits = per_group(num_local_tokens, len(groups))
+    full = [h for h, group in zip(hits, groups, strict=True) if not group.spec.sliding_window]
+    hit = min(full or hits, default=0)
+    return hit, max(num_tokens - hit, 0)
 
 
 def _repeated(ids: Sequence[int]) -> int | None:

@@ -43,7 +43,8 @@ class ReadOrder:
     params: kv_params.RemotePrefillParams
     local_ids: BlockIds
     num_tokens: int | None = None  # decode's prompt length (None: a tool, counts unknown)
-    num_local_tokens: int = 0  # of which decode had cached locally
+    # of which decode had cached locally: one for every KV cache group, or one per group
+    num_local_tokens: int | tuple[int, ...] = 0
     token: str = field(default_factory=lambda: secrets.token_hex(16))  # claim token
     readers: int = 1  # TP: decode ranks that read this request from this prefill rank
 

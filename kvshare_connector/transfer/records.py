@@ -56,6 +56,10 @@ class TransferRecord:
     # "digest_plan" and "scatter_plan" (made while the claim was out; the scatter's at the
     # post when prefill packed another size than planned)
     landing_host: dict[str, float] = field(default_factory=dict)
+    # the prompt's tokens decode's prefix cache held (its full-attention hit: not read) and
+    # the tokens this load brought (None: a tool that gave no token counts)
+    tokens_hit: int | None = None
+    tokens_loaded: int | None = None
 
     def reported(self, created: float | None, now: float) -> TransferRecord:
         """This record with the moment the engine learned of it (``now``, monotonic) on its

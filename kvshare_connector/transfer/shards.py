@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Sequence
 from dataclasses import replace
 
 import msgspec
@@ -110,7 +111,7 @@ class ShardedSink:
         params: kv_params.RemotePrefillParams,
         local_ids: BlockIds,
         num_tokens: int | None = None,
-        num_local_tokens: int = 0,
+        num_local_tokens: int | Sequence[int] = 0,
     ) -> None:
         """Queue the reads of ``request_id`` from every prefill rank holding its heads."""
         if self.shard.trivial and params.tp_size == 1:
@@ -153,9 +154,7 @@ class ShardedSink:
         done, failed = self._merge(progress.done, progress.failed)
         return replace(progress, done=done, failed=failed)
 
-    def _merge(
-        self, done: set[str], failed: dict[str, str]
-    ) -> tuple[set[str], dict[str, str]]:
+    def _merge(self, done: set[str], failed: dict[str, str]) -> tuple[set[str], dict[str, str]]:
         """A request is done once every sub-read is, failed (with every reason) once all
         ended and one failed."""
         out_done = {r for r in done if r not in self._part_of}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -23,7 +24,7 @@ from kvshare_connector.layout.staging import packed_read_of
 from kvshare_connector.layout.topology import BlockIds, KVTopology
 from kvshare_connector.layout.verification import VerificationError
 from kvshare_connector.transfer import kv_params, protocol
-from kvshare_connector.transfer.alignment import align_block_ids
+from kvshare_connector.transfer.alignment import align_block_ids, token_counts
 from kvshare_connector.transfer.claims import ClaimRefused, Claims, PeerDown
 from kvshare_connector.transfer.digests import Digester
 from kvshare_connector.transfer.landing import Lander
@@ -107,21 +108,23 @@ class KVSink:
         params: kv_params.RemotePrefillParams,
         local_ids: BlockIds,
         num_tokens: int | None = None,
-        num_local_tokens: int = 0,
+        num_local_tokens: int | Sequence[int] = 0,
         token: str | None = None,
         readers: int = 1,
     ) -> None:
         """Queue a read of ``params.remote_block_ids`` into ``local_ids`` (per group).
 
-        ``num_tokens`` (decode's prompt length) and ``num_local_tokens`` (cached locally)
-        let the sink check the exact block counts (``alignment``); without them, the
-        counts must be equal. TP (``transfer.shards``): the decode ranks reading one
-        prefill rank share ``token`` and say how many ``readers`` they are.
+        ``num_tokens`` (decode's prompt length) and ``num_local_tokens`` (cached locally:
+        one for every group, or each group's own hit) let the sink check the exact block
+        counts (``alignment``); without them, the counts must be equal. TP
+        (``transfer.shards``): the decode ranks reading one prefill rank share ``token``
+        and say how many ``readers`` they are.
         """
         if request_id in self._reads:
             raise ValueError(f"request {request_id} is already being read")
         local = [list(ids) for ids in local_ids]
-        order = ReadOrder(request_id, params, local, num_tokens, num_local_tokens, readers=readers)
+        hits = num_local_tokens if isinstance(num_local_tokens, int) else tuple(num_local_tokens)
+        order = ReadOrder(request_id, params, local, num_tokens, hits, readers=readers)
         self._reads[request_id] = Read(order if token is None else replace(order, token=token))
 
     @property
@@ -288,7 +291,10 @@ class KVSink:
         if not any(read.order.local_ids):  # e.g. a full local prefix-cache hit: free prefill
             reason = "decode holds the whole prompt already (nothing to read)"
             self._release(read, reason)
-            self.records.append(TransferRecord(read.request_id, 0, 0, 0, 0.0))
+            hit, _ = self._token_counts(read.order)
+            self.records.append(
+                TransferRecord(read.request_id, 0, 0, 0, 0.0, tokens_hit=hit, tokens_loaded=0)
+            )
             return True
         peer = self.peers.get(p.remote_host, p.remote_port, p.remote_engine_id)
         if (
@@ -393,6 +399,7 @@ class KVSink:
         if t.handle is not None:
             self.transport.release(t.handle)
         self._created[read.request_id] = read.created
+        hit, loaded = self._token_counts(read.order)
         self.records.append(
             TransferRecord(
                 read.request_id,
@@ -407,8 +414,14 @@ class KVSink:
                 grant.answer_s,
                 read.claims,
                 dict(read.landing_host),
+                tokens_hit=hit,
+                tokens_loaded=loaded,
             )
         )
+
+    def _token_counts(self, order: ReadOrder) -> tuple[int | None, int | None]:
+        """(tokens decode held, tokens loaded) of an order (None: counts unknown)."""
+        return token_counts(order.num_tokens, order.num_local_tokens, self.topology.groups)
 
     # -- failures ------------------------------------------------------------------------------
 

@@ -23,6 +23,11 @@ changes vLLM; the connector only chooses which of vLLM's hooks to answer.
 * Block size (0.34): 64 tokens unless ``--block-size`` says otherwise (16 before). Nothing
   to absorb: the topology reads any size, and the handshake names a prefill and a decode
   that differ in it (two releases on their defaults).
+* Local prefix lookup: 0.26 calls ``KVCacheManager.get_computed_blocks``; 0.34 calls
+  ``get_computed_blocks_for_connector`` for a connector that
+  ``supports_divergent_local_hybrid_hits`` (and reconciles a diverged hit when nothing
+  loads). ``vllm/prefix_hits.py`` wraps whichever it is (the one exception to "nothing here
+  changes vLLM": see there why).
 """
 
 from __future__ import annotations
@@ -188,3 +193,40 @@ def model_runner_output(req_ids: list[str], sampled: list[list[int]], kv_output:
     return ModelRunnerOutput(
         req_ids=req_ids, sampled_token_ids=sampled, kv_connector_output=kv_output, **extra
     )
+
+
+def prefix_lookup() -> tuple[type, str, int] | None:
+    """vLLM's local prefix-cache lookup of a request it schedules, which decode's per-group
+    hits wrap: (class, method, length of its answer); None without a per-group lookup."""
+    from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    if not hasattr(HybridKVCacheCoordinator, "find_longest_cache_hit_per_group"):
+        return None
+    if hasattr(KVCacheManager, "get_computed_blocks_for_connector"):
+        return KVCacheManager, "get_computed_blocks_for_connector", 4
+    return KVCacheManager, "get_computed_blocks", 3
+
+
+def full_attention_group_ids(coordinator: Any) -> list[int]:
+    """The full-attention KV cache groups of a hybrid coordinator (none of another)."""
+    from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    if not isinstance(coordinator, HybridKVCacheCoordinator):
+        return []
+    return [
+        g
+        for group in coordinator.attention_groups
+        if isinstance(group.spec, FullAttentionSpec)
+        and not getattr(group.spec, "sliding_window", None)
+        for g in group.group_ids
+    ]
+
+
+def max_cache_hit_length(request: Any, bound: int | None = None, **_: Any) -> int:
+    """The longest local hit vLLM allows ``request`` (0.34: also its own limit, ``bound``)."""
+    get = getattr(request, "get_max_cache_hit_length", None)
+    if get is not None:
+        return int(get(bound))
+    return int(request.num_tokens) - 1

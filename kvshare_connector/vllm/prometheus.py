@@ -45,6 +45,8 @@ _COUNTER_HELP = {
     "verified_loads": "Loads whose KV digests matched prefill's (verify_kv).",
     "verify_failures": "Loads whose KV differed from prefill's (verify_kv): computed locally.",
     "slow_lanes": "Lane probes that found a prefill reachable only on a slow lane.",
+    "prefix_hit_tokens": "Prompt tokens of decode's loads its own prefix cache held: not read.",
+    "loaded_tokens": "Prompt tokens decode's loads brought from prefill.",
 }
 
 

@@ -10,6 +10,7 @@ returned in the request's ``kv_transfer_params`` as ``kv_load_error``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,8 @@ logger = get_logger(__name__)
 class _Loading:
     request: Any
     local_tokens: int  # tokens computed locally before the external ones
+    # its groups' hits differ (``prefix_hits``): frees its blocks, to start over if it fails
+    release: Callable[[], None] | None = None
 
 
 class KVShareScheduler:
@@ -54,6 +57,7 @@ class KVShareScheduler:
         self._to_hold: dict[str, BlockIds] = {}
         self._loading: dict[str, _Loading] = {}
         self._local_tokens: dict[str, int] = {}  # tokens cached locally when matched
+        self._group_hits: dict[str, Callable[[], None]] = {}  # see took_group_hits
         self.load_errors: dict[str, str] = {}
         self.stats = KVShareStats()  # loads refused here (the prompt is not prefill's)
         self._warned_no_digest = False
@@ -86,10 +90,29 @@ class KVShareScheduler:
             )
         prompt_len = len(request.prompt_token_ids or ())
         count = loaded_prompt_tokens(parsed, prompt_len) - num_computed_tokens
-        if count <= 0:
-            return 0, False
         self._local_tokens[request.request_id] = num_computed_tokens
+        if count <= 0:
+            return 0, False  # decode holds all prefill has: nothing to read
         return count, True
+
+    def loads_to(self, request: Any) -> int:
+        """The prompt tokens ``request``'s load would bring, 0 if it would load nothing
+        (what ``vllm/prefix_hits.py`` asks before it gives the groups their own hits):
+        ``get_num_new_matched_tokens``' checks, without their side effects."""
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0
+        try:
+            parsed = remote_prefill_params(params)
+        except KVTransferParamsError:
+            return 0
+        if prompt_mismatch(parsed, request.prompt_token_ids):
+            return 0
+        return loaded_prompt_tokens(parsed, len(request.prompt_token_ids or ()))
+
+    def took_group_hits(self, request_id: str, release: Callable[[], None]) -> None:
+        """vLLM gave ``request_id``'s KV cache groups their own hits (``prefix_hits``)."""
+        self._group_hits[request_id] = release
 
     def _fail_params(self, request: Any, reason: str) -> None:
         message = f"{reason}; computing the prompt locally instead"
@@ -110,8 +133,12 @@ class KVShareScheduler:
             self._fail_params(request, str(exc))
             return
         local_tokens = self._local_tokens.pop(request.request_id, 0)
+        release = self._group_hits.pop(request.request_id, None)
         if num_external_tokens > 0:
-            self._loading[request.request_id] = _Loading(request, local_tokens)
+            self._loading[request.request_id] = _Loading(request, local_tokens, release)
+        # tokens decode's prefix cache held (not read) and tokens the load brings
+        self.stats.count("prefix_hit_tokens", local_tokens)
+        self.stats.count("loaded_tokens", max(num_external_tokens, 0))
         prompt = list(request.prompt_token_ids)
         order = self.backend.decode_allocated(
             DecodeRequest(
@@ -139,7 +166,9 @@ class KVShareScheduler:
         ``kv_load_failure_policy`` decides (recompute, or fail the request) for any number
         of KV cache groups. vLLM 0.26's invalid-block path unpacks a single KV cache group,
         so under HMA the connector resets what was counted as computed itself, the same
-        way that path does.
+        way that path does; a request whose groups had their own hits starts over from no
+        tokens and no blocks (its sliding-window groups lack the window before the hit),
+        as vLLM >= 0.30 does with a failed load.
         """
         own_reset = self.num_groups > 1 and not compat.HAS_FAILED_RECVING
         then = "recomputed locally" if own_reset else "kv_load_failure_policy applies"
@@ -150,7 +179,11 @@ class KVShareScheduler:
                 continue  # vLLM's "fail" policy finished it already, in this same step
             self.load_errors[request_id] = f"KV load failed: {reason}; {then}"
             if loading is not None and own_reset:
-                loading.request.num_computed_tokens = loading.local_tokens
+                if loading.release is not None:
+                    loading.release()
+                    loading.request.num_computed_tokens = 0
+                else:
+                    loading.request.num_computed_tokens = loading.local_tokens
 
     def finished_loads(self, request_ids: set[str]) -> None:
         for request_id in request_ids:
@@ -167,6 +200,7 @@ class KVShareScheduler:
         error = self.load_errors.pop(request.request_id, None)
         self._loading.pop(request.request_id, None)
         self._local_tokens.pop(request.request_id, None)
+        self._group_hits.pop(request.request_id, None)
         self.backend.forget(request.request_id)
         if params.get("do_remote_prefill"):
             # Decode dropped it before its blocks were allocated.

@@ -18,7 +18,8 @@ _SERIES = ("bytes", "blocks", "descriptors", "seconds")
 # slow_lanes: lane probes that found a prefill reachable only on a slow lane (tcp emulation).
 # refused_peers: decode refused an endpoint that is not the engine the params name, or that
 # handed over another engine's NIXL agent. hold_limits: prefill freed a claimed request at
-# its claim's bound (its reader never said done).
+# its claim's bound (its reader never said done). prefix_hit_tokens / loaded_tokens: decode's
+# loads, the prompt tokens its own prefix cache held (not read) and the tokens they brought.
 COUNTERS = (
     "failed_loads",
     "expired_leases",
@@ -32,6 +33,8 @@ COUNTERS = (
     "verified_loads",
     "verify_failures",
     "slow_lanes",
+    "prefix_hit_tokens",
+    "loaded_tokens",
 )
 LANES = "lanes"  # lane probes: [prefill engine, lane, GB/s] each
 PHASES = "phases"  # per read: {phase: seconds since decode got the order} (records.PHASES)
