@@ -119,12 +119,13 @@ def test_commands_of_each_deployment(tmp_path: Path, model_dir: Path) -> None:
             assert e.env["ENABLE_KVCACHED"] == "false" and "KVCACHED_IPC_NAME" not in e.env
     ipc = [e.env["KVCACHED_IPC_NAME"] for (n, _), e in engines.items() if n.startswith("ours")]
     assert len(set(ipc)) == 4
-    # Every engine: Gemma-4 overrides, Triton, no prefix caching, the share, the length.
+    # Every engine: Gemma-4 overrides, Triton, prefix caching as vllm serve has it (on), the
+    # share, the length.
     for e in engines.values():
         assert e.argv[:4] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
         assert json.loads(_arg(e.argv, "--hf-overrides")) == {"global_head_dim": 128}
         assert _arg(e.argv, "--attention-backend") == "TRITON_ATTN"
-        assert "--no-enable-prefix-caching" in e.argv
+        assert "--no-enable-prefix-caching" not in e.argv
         assert _arg(e.argv, "--gpu-memory-utilization") == "0.3"
         assert _arg(e.argv, "--max-model-len") == "3072"  # 2048 + 64 + 128, rounded up
         assert _arg(e.argv, "--tokenizer") == str(tmp_path / "tok")
@@ -258,6 +259,25 @@ def test_bench_command_and_seeds(tmp_path: Path, model_dir: Path) -> None:
     )
     allowed = json.loads(_arg(argv, "--extra-body"))["allowed_token_ids"]
     assert allowed == list(range(6, 4096))  # past <pad> <eos> <bos> <unk> and the turn marks
+    assert "--random-prefix-len" not in argv
+
+
+def test_prefix_caching_on_unless_asked_and_shared_prefixes(tmp_path: Path, model_dir: Path):
+    """Issue 50: engines keep vLLM's prefix caching (on, as vllm serve has it) unless
+    --no-prefix-caching; --random-prefix-len gives a run's prompts a common prefix (vllm
+    bench serve's option) and the engines room for it."""
+    args, planned = _plan(tmp_path, model_dir, "--random-prefix-len", "1536")
+    engines = [e for p in planned for e in p.deployment.engines]
+    assert engines and all("--no-enable-prefix-caching" not in e.argv for e in engines)
+    assert {_arg(e.argv, "--max-model-len") for e in engines} == {"4096"}  # 1536 + 2048 + ...
+    runner = bs.Runner(args, planned, tmp_path / "tok", tmp_path / "raw", None, 4096)
+    run = runner.runs_for(planned[0], 0)[0]
+    argv = bs.bench_options(args, planned[0].endpoint, "x", tmp_path / "tok", run, tmp_path)
+    assert _arg(argv, "--random-prefix-len") == "1536"
+    assert _arg(argv, "--random-input-len") == "2048"
+    _, planned = _plan(tmp_path, model_dir, "--no-prefix-caching")
+    engines = [e for p in planned for e in p.deployment.engines]
+    assert all("--no-enable-prefix-caching" in e.argv for e in engines)
 
 
 def test_mode_defaults_and_router_plan(tmp_path: Path, model_dir: Path) -> None:

@@ -252,7 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--decode-gpu", type=_gpus, default=["1"], help="GPU(s) of decode engines, cycled")
     add("--colocated-gpu", default="0")
     add("--attention-backend", default="auto", help="auto: TRITON_ATTN if hf_overrides needed")
-    add("--prefix-caching", action="store_true", help="leave vLLM's prefix caching on")
+    add("--no-prefix-caching", dest="prefix_caching", action="store_false",
+        help="turn vLLM's prefix caching off in every engine (on by default, as vllm serve "
+             "has it: each round and point draws its own random prompts, which share no "
+             "prefix, so a run measures loads, not hits)")  # fmt: skip
+    add("--random-prefix-len", type=int, default=0,
+        help="tokens every prompt of a run starts with (vllm bench serve's own option: the "
+             "prefix is drawn per run), before its --input-len random ones")  # fmt: skip
     add("--enforce-eager", action="store_true")
     add("--serve-args", help="more vllm serve arguments, in one string")
     add("--engine-flags", action="store_true", help="print, one per line, the flags an engine "

@@ -28,6 +28,12 @@
 #            H100 eager, 3 rounds of one concurrency took 330 s, of "1 16" more than 450 s
 #            (2026-12-06c)
 #   serve8k  the same at 8k (48 prompts per round)
+#   prefix   serve2k's deployments with shared prefixes (issue 50 item 3): each run's prompts
+#            start with the same PREFIX_LEN (default 1536) random tokens, then PREFIX_TAIL
+#            (default 512) of their own (vllm bench serve --random-prefix-len); every engine
+#            keeps vLLM's prefix caching (on: bench_serving's default, as vllm serve has it),
+#            so decode's loads read only past its hit: the read logs give tokens hit and
+#            loaded per load
 #   serve    one run for the latency and verify_kv changes (issues 21, 26): ours with
 #            verify_kv (its default), ours without, ours as it was before them (the tree in
 #            .before/, carried: git archive <commit> kvshare_connector | tar -x -C .before),
@@ -130,18 +136,20 @@ pack() {  # DIR: the device call returns a limited number of files: the whole of
       -o -name '*.png' \) \) -exec rm -rf {} +
 }
 
-serve() {  # LEN PROMPTS NAME (PROMPTS at concurrency 16)
+serve() {  # LEN PROMPTS NAME [BENCH_SERVING_ARGS...] (PROMPTS at concurrency 16)
   weights
+  local len=$1 prompts=$2 name=$3
+  shift 3
   # shellcheck disable=SC2086
-  python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/$3" \
+  python3 -m benchmarks.gpu.bench_serving --model-dir "$E2B" --out "$OUT/$name" \
     --deployments ours nixl colocated --prefill-gpu 0 --decode-gpu 0 --colocated-gpu 0 \
     --gpu-mem 0.13 --kv-cache-gib "${SERVE_KV_GIB:-5}" ${SERVE_EAGER:+--enforce-eager} \
-    --input-len "$1" --concurrency ${SERVE_CONC:-16} \
-    --num-prompts 0 --prompts-per-slot $(($2 / 16)) --min-prompts 8 \
+    --input-len "$len" --concurrency ${SERVE_CONC:-16} \
+    --num-prompts 0 --prompts-per-slot $((prompts / 16)) --min-prompts 8 \
     --output-len 64 --rounds 3 --warmup-requests 4 --serve-args "--max-num-seqs 64" \
-    --time-budget "${TIME_BUDGET:-330}" --grace 10 --keep-raw \
-    > "$OUT/$3.log" 2>&1
-  rc=$?; echo "$3: exit $rc"; pack "$3"
+    --time-budget "${TIME_BUDGET:-330}" --grace 10 --keep-raw "$@" \
+    > "$OUT/$name.log" 2>&1
+  rc=$?; echo "$name: exit $rc"; pack "$name"
 }
 
 lone_engine() {  # LOG PORT VLLM-SERVE-ARGS...: start one `vllm serve`, wait until it serves
@@ -408,6 +416,7 @@ print("kvcached completion:", json.load(u.urlopen(req, timeout=60))["usage"])' "
     landing) ours_curve landing --ours-variants plain='{}' ;;
     serve2k) serve 2048 64 serve2k ;;
     serve8k) serve 8192 48 serve8k ;;
+    prefix) serve "${PREFIX_TAIL:-512}" 64 prefix --random-prefix-len "${PREFIX_LEN:-1536}" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

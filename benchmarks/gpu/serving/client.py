@@ -43,6 +43,8 @@ def bench_options(
     ]  # fmt: skip
     if run.get("detailed") or getattr(args, "save_detailed", False):
         argv.append("--save-detailed")
+    if getattr(args, "random_prefix_len", 0):  # a prefix shared by the run's prompts
+        argv += ["--random-prefix-len", str(args.random_prefix_len)]
     below = getattr(args, "sample_ids_below", 0)
     if below:
         allowed = list(range(len(SPECIAL_TOKENS), below))  # ids with text in the local BPE

@@ -162,7 +162,7 @@ def serve_args(model_dir: Path, tokenizer: Path, args: argparse.Namespace) -> li
 def max_model_len(args: argparse.Namespace) -> int:
     """Room for the longest prompt, the output and what the random dataset's tokenizer round
     trip may add, rounded up to 1024 (32k prompts, 32 out: 33,792)."""
-    need = max(args.input_len) + args.output_len + 128
+    need = max(args.input_len) + getattr(args, "random_prefix_len", 0) + args.output_len + 128
     return args.max_model_len or -(-need // 1024) * 1024
 
 
