@@ -17,9 +17,12 @@ proxy that reorders lists sends; ``kvshare_probe_reorder``) must be refused by p
 claim check, computed by decode itself, and then hold prefill's KV (digested once finished).
 ``--outputs CELL`` also runs a colocated engine (no connector) on GPU 0
 beside that cell, for ``kv_outputs``: decode's outputs against the engine's own noise.
+``--prefix`` adds two batches whose prompts start as the main batch's (``prefix_batches``):
+loads past decode's own prefix hit, byte for byte and with fewer bytes, and their control.
+Every engine keeps vLLM's prefix caching (on by default); batches share no prefix otherwise.
 
     python -m gpu_checks.kv_exact run --out OUT [--cells NAME ...] [--gpus 2] \
-        [--verify] [--outputs e2b/plain]
+        [--verify] [--prefix] [--outputs e2b/plain]
     python -m gpu_checks.kv_exact report OUT
 
 Writes OUT/<cell>/{prefill,decode}.jsonl and logs, OUT/results.json, OUT/summary.md and
@@ -37,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gpu_checks import kv_outputs
+from gpu_checks import kv_outputs, prefix_batches
 from gpu_checks.cells import (
     cell_dir,
     cell_env,
@@ -76,11 +79,15 @@ CELLS: dict[str, dict[str, Any]] = {
 
 
 def batches_of(cell: dict[str, Any]) -> tuple[str, ...]:
-    return VERIFY_BATCHES if cell.get("verify") else BATCHES
+    batches = VERIFY_BATCHES if cell.get("verify") else BATCHES
+    return (*batches, *prefix_batches.BATCHES) if cell.get("prefix") else batches
 
 
 def prompts(batch: str, vocab: int) -> list[list[int]]:
-    """Random token ids, own per batch (no prefix-cache hit between batches)."""
+    """Random token ids, own per batch (no prefix-cache hit between batches), but for the
+    shared-prefix batches, which start as the main batch's."""
+    if batch in prefix_batches.BATCHES:
+        return prefix_batches.prompts(batch, prompts("main", vocab), vocab)
     return token_prompts(f"kv-exact-{batch}", PROMPT_LENS, vocab)
 
 
@@ -91,7 +98,7 @@ def engine_main(args: argparse.Namespace) -> None:
     from gpu_checks.engines import engine_facts, start_engine
 
     work, weights = Path(args.work), Path(args.weights)
-    cell = {**CELLS[args.cell], "verify": args.verify}
+    cell = {**CELLS[args.cell], "verify": args.verify, "prefix": args.prefix}
     vocab = read_json(weights / "config.json")["vocab_size"]
     if args.role == "colocated":
         args.max_tokens = MAX_TOKENS
@@ -145,7 +152,8 @@ def run_batches(
         return
     produced = prefill_output(work, args.hold_s)
     flags = {"main": None, "control": "kvshare_probe_scramble", "tamper": "kvshare_probe_tamper",
-             "reorder": "kvshare_probe_reorder"}  # fmt: skip
+             "reorder": "kvshare_probe_reorder", "prefix": None,
+             "prefix-control": "kvshare_probe_scramble"}  # fmt: skip
     for batch in batches:
         params = produced[batch]["kv_transfer_params"]
         if flags[batch]:
@@ -177,6 +185,7 @@ def ensure_weights(model: str, args: argparse.Namespace) -> Path:
 def run_cell(name: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
     # verify_kv is the NIXL backend's: LMCache cells run without it
     cell = {**CELLS[name], "verify": args.verify and CELLS[name].get("backend") != "lmcache"}
+    cell["prefix"] = args.prefix
     work = fresh_work_dir(cell_dir(Path(args.out), name), STALE)
     weights = ensure_weights(cell["model"], args)
     env = cell_env(cell)
@@ -194,6 +203,7 @@ def run_cell(name: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
         gpu = {"colocated": 0}.get(role, i) if two else 0
         cmd = engine_cmd("gpu_checks.kv_exact", role, name, work, weights, args.timeout)
         cmd += ["--verify"] if cell["verify"] else []
+        cmd += ["--prefix"] if cell["prefix"] else []
         # colocated: beside prefill on GPU 0, a smaller share
         cmd += ["--mem", str(min(mem, 0.3) if role == "colocated" else mem)]
         cmd += ["--lock", str(work / (f"gpu{gpu}.lock" if two else "gpu.lock"))]
@@ -249,9 +259,11 @@ def check_cell(work: Path, cell: dict[str, Any]) -> dict[str, Any]:
     decoded = read_jsonl(work / "decode.jsonl")
     requests, problems = [], []
     batches = batches_of(cell)
+    batch_of = batches_by_request(read_json(work / "prefill.json"))
     tampered, reordered = [], []
     for record in decoded:
         kind = "control" if record.get("scrambled") else "main"
+        kind = batch_of.get(record.get("remote_request_id"), kind)
         if record.get("reordered"):
             reordered.append(record)
             if record.get("at") == "recomputed":
@@ -279,7 +291,10 @@ def check_cell(work: Path, cell: dict[str, Any]) -> dict[str, Any]:
         requests.append({"batch": kind, **result})
     decode = read_json(work / "decode.result.json")
     problems += batch_problems(requests, decode, batches)
-    verified = [r for r in read_jsonl(work / "decode.read_log.jsonl") if r.get("verified")]
+    read_log = read_jsonl(work / "decode.read_log.jsonl")
+    verified = [r for r in read_log if r.get("verified")]
+    if cell.get("prefix"):
+        problems += prefix_batches.problems(requests, read_log)
     refused = sum(REFUSED in r.get("failed", "") for r in reordered)
     if "reorder" in batches:
         recomputed = sum(r["batch"] == "reorder" for r in requests)
@@ -291,8 +306,9 @@ def check_cell(work: Path, cell: dict[str, Any]) -> dict[str, Any]:
     if "tamper" in batches:
         if len(tampered) != len(PROMPT_LENS):
             problems.append(f"tamper: {len(tampered)} of {len(PROMPT_LENS)} loads refused")
-        if len(verified) != 2 * len(PROMPT_LENS):
-            problems.append(f"verify_kv: {len(verified)} of {2 * len(PROMPT_LENS)} loads verified")
+        loads = (len(batches) - 2) * len(PROMPT_LENS)  # every batch's but tamper's and reorder's
+        if len(verified) != loads:
+            problems.append(f"verify_kv: {len(verified)} of {loads} loads verified")
     problems += request_problems(requests)
     return {
         "requests": requests,
@@ -309,13 +325,24 @@ def check_cell(work: Path, cell: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def batches_by_request(prefill: dict[str, Any]) -> dict[str, str]:
+    """Prefill's request id -> its batch, from the kv_transfer_params prefill handed over."""
+    return {
+        params["remote_request_id"]: batch
+        for batch, out in prefill.items()
+        if isinstance(out, dict)
+        for params in out.get("kv_transfer_params") or ()
+        if params and "remote_request_id" in params
+    }
+
+
 def batch_problems(
     requests: list[dict[str, Any]], decode: dict[str, Any], batches: tuple[str, ...]
 ) -> list[str]:
     """Every prompt of the main and control batches compared; no load error but in the
     tamper batch, where each load must fail verification."""
     problems = []
-    for kind in BATCHES:
+    for kind in (k for k in batches if k in (*BATCHES, *prefix_batches.BATCHES)):
         got = sum(r["batch"] == kind for r in requests)
         if got != len(PROMPT_LENS):
             problems.append(f"{kind}: {got} of {len(PROMPT_LENS)} requests compared")
@@ -357,7 +384,7 @@ def request_problems(requests: list[dict[str, Any]]) -> list[str]:
     problems = []
     for r in requests:
         bad = r["problems"] + [f"group {g} compared no block" for g in r["groups_without_blocks"]]
-        if r["batch"] in ("main", "reorder"):  # reorder: decode's own KV, computed again
+        if r["batch"] in ("main", "reorder", "prefix"):  # reorder: decode's own, computed again
             if r["mismatches"] or r["sharer_mismatches"] or not r["blocks_compared"]:
                 bad.append(f"{r['mismatches']} block / {r['sharer_mismatches']} sharer mismatch")
             missing = r["sharers_missing"]
@@ -474,7 +501,9 @@ def cmd_report(out: Path) -> int:
     for path in sorted(out.glob("*/cell.json")):
         result = read_json(path)
         if "model" in result:
-            result.update(check_cell(path.parent, CELLS.get(result["cell"], result)))
+            flags = {k: result[k] for k in ("verify", "prefix") if k in result}
+            cell = {**CELLS.get(result["cell"], result), **flags}  # as the run had it
+            result.update(check_cell(path.parent, cell))
         results.append(result)
     return finish(out, results)
 
@@ -513,8 +542,10 @@ def main() -> None:
     run.add_argument("--gpus", type=int, default=2, choices=[1, 2])
     run.add_argument("--mem", type=float, help="gpu_memory_utilization per engine")
     run.add_argument("--verify", action="store_true", help="verify_kv on, plus a tamper batch")
+    run.add_argument("--prefix", action="store_true", help="the shared-prefix batches too")
     run.add_argument("--outputs", help="run a colocated engine beside this cell")
     engine.add_argument("--verify", action="store_true")
+    engine.add_argument("--prefix", action="store_true")
     dispatch(parser.parse_args(), cmd_run, engine_main, cmd_report)
 
 

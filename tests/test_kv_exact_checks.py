@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_checks import kv_exact, kv_outputs
+from gpu_checks import kv_exact, kv_outputs, prefix_batches
 
 ROOT = Path(__file__).resolve().parent.parent
 RAW = ROOT / "results" / "gpu" / "2026-11-30" / "raw" / "kv_exact" / "kvx1.tgz"
@@ -142,3 +142,50 @@ def test_a_control_inside_the_noise_floor_is_reported_as_unable_to_tell(cell):
     same["main_alone"]["logprobs"] = [[lp - 0.5 for lp in r] for r in decode["main"]["logprobs"]]
     result = kv_outputs.compare_outputs(decode, same)
     assert not result["control_above_floor"]
+
+
+# ---- the shared-prefix batches (issue 50, --prefix) -------------------------------------------
+
+
+def test_prefix_batches_start_as_the_main_batch_and_go_their_own_way():
+    main = kv_exact.prompts("main", 4096)
+    batches = [kv_exact.prompts(b, 4096) for b in prefix_batches.BATCHES]
+    assert prefix_batches.BATCHES == ("prefix", "prefix-control")
+    for i, prompt in enumerate(main):
+        n = prefix_batches.shared(len(prompt))
+        assert n % 64 == 0 and 0.7 * len(prompt) < n <= 0.75 * len(prompt)
+        for other in batches:
+            assert len(other[i]) == len(prompt) and other[i][:n] == prompt[:n]
+            assert other[i][n:] != prompt[n:]
+        assert batches[0][i][n:] != batches[1][i][n:]
+    cell = {**CELL, "prefix": True}
+    assert kv_exact.batches_of(cell)[-2:] == prefix_batches.BATCHES
+    prefill = {"startup_s": 1.0, "main": {"kv_transfer_params": [{"remote_request_id": "a"}]},
+               "prefix": {"kv_transfer_params": [{"remote_request_id": "b"}, None]}}  # fmt: skip
+    assert kv_exact.batches_by_request(prefill) == {"a": "main", "b": "prefix"}
+
+
+@pytest.mark.parametrize(
+    ("prefix_load", "problem"),
+    [
+        ({"bytes": 400, "tokens_hit": 512, "tokens_loaded": 188}, None),
+        # the whole prompt read, as before issue 50: its hit was 0
+        ({"bytes": 1000, "tokens_hit": 0, "tokens_loaded": 700}, "0 tokens hit, of 512"),
+        ({"bytes": 1000, "tokens_hit": 512, "tokens_loaded": 188}, "1000 bytes read"),
+        ({"bytes": 400, "tokens_hit": 576, "tokens_loaded": 124}, "576 tokens hit"),
+        ({"bytes": 400, "tokens_hit": 512, "tokens_loaded": 100}, "is not the prompt"),
+        ({"bytes": 400}, "no token counts"),
+    ],
+)
+def test_prefix_loads_read_past_their_hit_and_less_than_no_hit(prefix_load, problem):
+    requests = [
+        {"request_id": "m0", "batch": "main", "num_tokens": 700},
+        {"request_id": "x0", "batch": "prefix", "num_tokens": 700},
+        {"request_id": "c0", "batch": "prefix-control", "num_tokens": 700},
+    ]
+    log = [{"request_id": "m0", "bytes": 1000, "tokens_hit": 0, "tokens_loaded": 700},
+           {"request_id": "x0", **prefix_load},
+           {"request_id": "c0", "bytes": 400, "tokens_hit": 512, "tokens_loaded": 188}]  # fmt: skip
+    found = prefix_batches.problems(requests, log)
+    assert found == [] if problem is None else (len(found) == 1 and problem in found[0]), found
+    assert "0 loads in the read log" in prefix_batches.problems(requests, log[:1])[0]
