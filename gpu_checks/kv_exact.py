@@ -185,7 +185,7 @@ def ensure_weights(model: str, args: argparse.Namespace) -> Path:
 def run_cell(name: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
     # verify_kv is the NIXL backend's: LMCache cells run without it
     cell = {**CELLS[name], "verify": args.verify and CELLS[name].get("backend") != "lmcache"}
-    cell["prefix"] = args.prefix
+    cell["prefix"] = args.prefix and cell.get("backend") != "lmcache"  # read logs: NIXL
     work = fresh_work_dir(cell_dir(Path(args.out), name), STALE)
     weights = ensure_weights(cell["model"], args)
     env = cell_env(cell)
