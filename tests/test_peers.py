@@ -177,3 +177,55 @@ def test_claim_batches_split_by_prefill_and_caps():
     assert [len(b) for b in claim_batches(many)] == [protocol.MAX_IDS_PER_MESSAGE, 1]
     big = protocol.MAX_BLOCK_IDS_PER_MESSAGE // 2 + 1
     assert [len(b) for b in claim_batches([read(1, "x", big), read(1, "y", big)])] == [1, 1]
+
+
+def _until_read(sink: KVSink, peer: PeerProcess, name: str, deadline_s: float) -> list[str]:
+    """One fresh request of ``peer`` after another until one is read or ``deadline_s``
+    passed: every failure's reason, in order, then ``"read"`` if one was."""
+    outcomes: list[str] = []
+    start, i = time.monotonic(), 0
+    while time.monotonic() - start < deadline_s:
+        queue(sink, peer.request(name, i), f"{name}-again-{i}", 70 + i)
+        ((_, _, reason),) = run(sink, {f"{name}-again-{i}"}, 30)
+        outcomes.append("read" if reason is None else reason)
+        if reason is None:
+            break
+        i += 1
+        time.sleep(0.5)
+    return outcomes
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_a_prefill_back_on_its_address_is_read_before_its_pause_ends(sink, monkeypatch, early):
+    """A failed prefill is handshaken in the background while its requests fail at once;
+    back on its address (here a restart, as a mended link), it is read again long before
+    its pause (120 s) ends. Control: without background tries, none is read meanwhile."""
+    from kvshare_connector.transfer import peers
+
+    monkeypatch.setattr(sink.peers, "retry_s", 120.0)
+    if not early:
+        monkeypatch.setattr(peers, "EARLY_TRY_S", 1e6)
+    port = pick_free_port()
+    name = f"back{int(early)}"
+    first = PeerProcess([source(name, port=port, requests=2)])
+    try:
+        queue(sink, first.request(name, 0), f"{name}-0", 60)
+        assert run(sink, {f"{name}-0"}, 30)[0][2] is None
+        doomed = first.request(name, 1)
+        first.kill()
+        queue(sink, doomed, f"{name}-1", 61)
+        ((_, _, reason),) = run(sink, {f"{name}-1"}, 30)
+        assert reason is not None  # the prefill is gone: decode computes it
+    finally:
+        first.stop()
+    back = PeerProcess([source(name, port=port, requests=40)])
+    try:
+        outcomes = _until_read(sink, back, name, deadline_s=40.0 if early else 6.0)
+    finally:
+        back.stop()
+    failures = [o for o in outcomes if o != "read"]
+    assert all("PeerUnavailable" in f for f in failures), failures  # at once, with the reason
+    if early:
+        assert outcomes[-1] == "read", outcomes
+    else:
+        assert "read" not in outcomes and failures, outcomes

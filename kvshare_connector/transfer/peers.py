@@ -8,8 +8,10 @@ own requests; claims, on every request's way to its first token, go over the pee
 A peer that fails (unreachable, a failed READ) is evicted: its NIXL peer is
 removed, its queued asks are cancelled, and for ``retry_s`` requests for it fail at once
 with the reason instead of waiting; after that it is handshaken again (a restarted
-prefill rejoins). A peer whose layout does not match is remembered for ``retry_s`` too,
-not handshaken again per request.
+prefill rejoins). Meanwhile it is handshaken in the background every ``EARLY_TRY_S``, and
+the first try that succeeds ends the pause (a link back up, a prefill restarted on its
+address), still without a request waiting for it. A peer whose layout does not match is
+remembered for ``retry_s`` too, not handshaken again per request.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from kvshare_connector.layout.descriptors import PairedOwner, TransferPlan
 from kvshare_connector.layout.matching import EngineIdentity, LayoutMismatch, pair_owners
 from kvshare_connector.layout.sharding import is_sliced
 from kvshare_connector.layout.topology import KVTopology
-from kvshare_connector.transfer import lanes, protocol
+from kvshare_connector.transfer import protocol
 from kvshare_connector.transfer.kv_params import RemotePrefillParams
 from kvshare_connector.transfer.nixl import NixlTransport
 from kvshare_connector.transfer.settings import EngineSettings
@@ -38,6 +40,7 @@ from kvshare_connector.transfer.side_channel_client import Pipe, ask_retrying
 logger = get_logger(__name__)
 
 RETRY_S = 5.0  # how long a failed or mismatched peer is not asked again
+EARLY_TRY_S = 1.0  # meanwhile, a failed peer is handshaken in the background this often
 # a handshake reply's bound (a layout and NIXL metadata: kilobytes for any model here)
 HANDSHAKE_REPLY_BYTES = 16 << 20
 ASKS_PER_PEER = 2  # side-channel asks in flight to one prefill at once
@@ -83,6 +86,7 @@ class _Link:
     pipe: Pipe | None = None  # claims, once handshaken
     down_until: float = 0.0
     error: Exception | None = None  # why it is down (a LayoutMismatch is re-raised as is)
+    early_try: float = 0.0  # while down: when the next background handshake may start
 
 
 @dataclass
@@ -188,6 +192,9 @@ class Peers:
         if link.error is not None and now < link.down_until:
             if isinstance(link.error, LayoutMismatch):
                 raise link.error
+            peer = self._try_early(key, link, expect, now)
+            if peer is not None:
+                return peer
             raise PeerUnavailable(
                 f"prefill {expect} at {host}:{port} failed {link.down_until - now:.1f} s "
                 f"before its next try: {link.error}"
@@ -211,6 +218,27 @@ class Peers:
         link.peer, link.pipe, link.error = peer, pipe, None
         return peer
 
+    def _try_early(self, key: Key, link: _Link, expect: str, now: float) -> Peer | None:
+        """While ``link`` is down: the peer, if a background handshake made since came
+        back good (the pause ends); else start one when due. Never waits."""
+        if link.handshake is None:
+            if now >= link.early_try:
+                link.early_try = now + EARLY_TRY_S
+                link.handshake = link.executor.submit(self._handshake, key[0], key[1], expect)
+            return None
+        if not link.handshake.done():
+            return None
+        future, link.handshake = link.handshake, None
+        try:
+            reply, pipe = future.result()
+            peer = self._connect(key, reply)
+        except Exception as exc:  # a background try: nothing escapes it
+            link.error = exc  # still down, until ``down_until`` or a try that succeeds
+            return None
+        logger.info("prefill at %s:%d answers again: its pause ended early", *key)
+        link.peer, link.pipe, link.error, link.down_until = peer, pipe, None, 0.0
+        return peer
+
     def _connect(self, key: Key, reply: protocol.HandshakeReply) -> Peer:
         host, port = key
         try:
@@ -227,10 +255,6 @@ class Peers:
                 host,
                 port,
             )
-        theirs = reply.probe.ucx if reply.probe is not None else {}
-        problem = lanes.segment_problem(theirs, lanes.effective())
-        if problem is not None:  # before any READ: UCX would crash this process
-            raise HandshakeError(f"prefill at {host}:{port}: {problem}")
         if self.pairing is not None:
             owners = self.pairing(key, remote, reply.layout, remote_identity)
         else:
@@ -377,6 +401,7 @@ class Peers:
             link.pipe.close()  # its claims are cancelled
             link.pipe = None
         link.error, link.down_until = error, time.monotonic() + self.retry_s
+        link.early_try = time.monotonic() + EARLY_TRY_S
         if not isinstance(error, LayoutMismatch):  # it answers: its queue may go on
             # Asks queued behind a dead peer's timeouts fail now (their futures are
             # cancelled); a fresh thread serves the peer once it is tried again.
