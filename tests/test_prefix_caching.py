@@ -34,6 +34,7 @@ PROMPTS = {
     "p3": A,  # the same prompt again: vLLM recomputes its last token, the last blocks are read
     "p4": Z,  # no hit (the control of p1's bytes)
     "p6": A[:224] + X[:96],  # p1's prompt: the negative control, then a failed load
+    "p8": A,  # prefill's own hit (288 of 320 tokens, shared with p0), read whole by a new decode
 }
 
 
@@ -82,6 +83,9 @@ def test_decode_reads_only_past_its_hit_in_every_group(engines, tmp_path, layout
             salt=DECODE_SALT, failure_policy="recompute", connector="HitOverwritingConnector",
             module_path="kvshare_connector.devtools.negative_control",
         )  # fmt: skip
+        # (made before any request: each engine seeds vLLM's process-wide hash of a prompt's
+        # first block again, which would void the other's prefix cache afterwards)
+        fresh = engines("g4tiny", layout, "kv_consumer", pick_free_port(), salt=DECODE_SALT)
         run(decode, "d0", A, params["p0"])
         run(decode, "d1", PROMPTS["p1"], params["p1"])
         run(decode, "d2", [*A, 7], params["p2"])
@@ -90,6 +94,8 @@ def test_decode_reads_only_past_its_hit_in_every_group(engines, tmp_path, layout
         run(decode, "d4", Z, params["p4"])
         # Negative control: p6 (p1's prompt) read over the blocks of decode's hit
         run(decode, "d6", PROMPTS["p6"], {**params["p6"], OVERWRITE_HITS: True})
+        # Prefill's own hit served as any other block: a decode without it reads all of p8
+        run(fresh, "e8", A, params["p8"])
         result = child.wait_json(RESULT, 90)
         # A load with a per-group hit that fails (its prefill is gone) starts over: its
         # sliding-window groups lack the window before the full-attention hit
@@ -139,8 +145,16 @@ def test_decode_reads_only_past_its_hit_in_every_group(engines, tmp_path, layout
     assert reads["d5"]["tokens_hit"] == 320 and "d5" not in decode.loaded
     assert result["held"] == [] and result["free_blocks"] == result["total_blocks"]
     assert result["expired_leases"] == 0  # decode freed p5 itself, not its lease
-    # prefill's own hit on p3 (the blocks it shares with p0) served as any other block
-    assert ready["p3"]["hit_tokens"] == 288
+    # prefill's own hits (the blocks p3 and p8 share with p0) served as any other block
+    assert ready["p3"]["hit_tokens"] == ready["p8"]["hit_tokens"] == 288
+    assert fresh.loaded == {"e8": []} and fresh.read_blocks["e8"] == [4, 4, 4, 4, 4, 20]
+    shared = [
+        set(a) & set(b)
+        for a, b in zip(
+            params["p0"]["remote_block_ids"], params["p8"]["remote_block_ids"], strict=True
+        )
+    ]
+    assert len(shared[5]) == 18  # full attention's 18 hit blocks are p0's own
     # the scheduler's counters (Prometheus: vllm:kvshare_prefix_hit_tokens, _loaded_tokens),
     # at admission: the read log's loads; d6's as admitted (the control then read all 320)
     # and d7's (hit 288, 32 to load, then failed)
