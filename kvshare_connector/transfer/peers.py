@@ -30,7 +30,7 @@ from kvshare_connector.layout.descriptors import PairedOwner, TransferPlan
 from kvshare_connector.layout.matching import EngineIdentity, LayoutMismatch, pair_owners
 from kvshare_connector.layout.sharding import is_sliced
 from kvshare_connector.layout.topology import KVTopology
-from kvshare_connector.transfer import protocol
+from kvshare_connector.transfer import lanes, protocol
 from kvshare_connector.transfer.kv_params import RemotePrefillParams
 from kvshare_connector.transfer.nixl import NixlTransport
 from kvshare_connector.transfer.settings import EngineSettings
@@ -255,6 +255,10 @@ class Peers:
                 host,
                 port,
             )
+        theirs = reply.probe.ucx if reply.probe is not None else {}
+        problem = lanes.segment_problem(theirs, lanes.effective())
+        if problem is not None:  # before any READ: UCX would crash this process
+            raise HandshakeError(f"prefill at {host}:{port}: {problem}")
         if self.pairing is not None:
             owners = self.pairing(key, remote, reply.layout, remote_identity)
         else:
