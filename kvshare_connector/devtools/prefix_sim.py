@@ -197,7 +197,8 @@ def serve_prompts(args: argparse.Namespace) -> None:
     kv_transfer_params and prefix hits (READY), step until decode has read them all or their
     lease ended, report what is still held (RESULT)."""
     extra: dict[str, Any] = {"kv_lease_duration": args.lease_s}
-    engine = PrefixEngine(args.model, args.layout, "kv_producer", args.port, extra)
+    kv = {"kv_bytes": int(args.kv_mib) << 20}
+    engine = PrefixEngine(args.model, args.layout, "kv_producer", args.port, extra, **kv)
     prompts: dict[str, list[int]] = json.loads(Path(args.prompts).read_text())
     results: dict[str, Any] = {}
     for rid, prompt in prompts.items():
@@ -237,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--prompts", required=True, help="JSON: {request id: token ids}")
     parser.add_argument("--lease-s", type=float, default=60.0)
+    parser.add_argument("--kv-mib", type=float, default=32, help="the KV pool")
     parser.add_argument("--linger-s", type=float, default=1.0)
     serve_prompts(parser.parse_args(argv))
 
