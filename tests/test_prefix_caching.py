@@ -211,3 +211,41 @@ def test_hits_in_other_layouts(engines, tmp_path, model, prefill_layout, decode_
     assert (decode.hit_blocks["d0"], decode.read_blocks["d0"]) == expected_blocks(decode, 320, 0)
     assert reads["d1"]["tokens_hit"] == 224 and reads["d1"]["bytes"] < reads["d0"]["bytes"]
     assert result["held"] == [] and result["free_blocks"] == result["total_blocks"]
+
+
+def test_a_failing_per_group_lookup_leaves_vllms_own_hit(caplog):
+    """Whatever goes wrong in the per-group lookup, the scheduler goes on with vLLM's hit."""
+    import weakref
+    from types import SimpleNamespace
+
+    from kvshare_connector.vllm import prefix_hits
+
+    class Config:  # vLLM's KVCacheConfig, as far as the lookup reads it
+        kv_cache_groups = (0, 1)
+
+    class Manager:
+        kv_cache_config = Config()
+
+        @property
+        def coordinator(self):
+            raise RuntimeError("a vLLM without it")
+
+    class Loads:
+        def loads_to(self, request):
+            return 320
+
+        def took_group_hits(self, request_id, release):
+            raise AssertionError("no per-group hit to take")
+
+    manager, loads = Manager(), Loads()
+    key = id(manager.kv_cache_config)
+    prefix_hits._ENGINES[key] = (weakref.ref(manager.kv_cache_config), weakref.ref(loads))
+    try:
+        lookup = prefix_hits._wrapped(lambda m, r: ("vLLM's blocks", 0, 224), 3)
+        assert lookup(manager, SimpleNamespace(request_id="r")) == ("vLLM's blocks", 0, 224)
+        assert "a vLLM without it" in caplog.text
+        # nothing diverges (no group holds more than vLLM's hit): not even looked at
+        flat = prefix_hits._wrapped(lambda m, r: ("vLLM's blocks", 64, 0), 4)
+        assert flat(manager, SimpleNamespace(request_id="r")) == ("vLLM's blocks", 64, 0)
+    finally:
+        prefix_hits._ENGINES.pop(key, None)

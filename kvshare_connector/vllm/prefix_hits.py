@@ -35,10 +35,11 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from kvshare_connector.common.log import get_logger
+from kvshare_connector.common.log import LogBudget, get_logger
 from kvshare_connector.vllm import compat
 
 logger = get_logger(__name__)
+_log = LogBudget(5, 600.0, subject="per-group prefix hit", logger=logger)
 
 
 class Loads(Protocol):
@@ -73,6 +74,12 @@ def install(kv_cache_config: Any, loads: Loads) -> bool:
     key = id(kv_cache_config)
     _ENGINES[key] = (weakref.ref(kv_cache_config), weakref.ref(loads))
     weakref.finalize(kv_cache_config, _ENGINES.pop, key, None)
+    if len(kv_cache_config.kv_cache_groups) > 1:
+        logger.info(
+            "prefix caching: a load reads past each KV cache group's own hit (vLLM's %s "
+            "wrapped for the requests this decode loads)",
+            name,
+        )
     return True
 
 
@@ -86,7 +93,11 @@ def _wrapped(original: Callable[..., tuple], arity: int) -> Callable[..., tuple]
         loads = _loads_of(manager)
         if loads is None:
             return found
-        deeper = _group_hits(manager, request, hit, loads, *args, **kwargs)
+        try:
+            deeper = _group_hits(manager, request, hit, loads, *args, **kwargs)
+        except Exception as exc:  # never stop the scheduler: vLLM's own hit stands
+            _log.log(f"request {request.request_id}: per-group prefix hits: {exc!r}")
+            return found
         if deeper is None:
             return found
         per_group, full = deeper
