@@ -326,3 +326,16 @@ def test_decode_refuses_a_prefill_whose_segments_it_cannot_receive(monkeypatch):
     finally:
         sink.close()
         del stack
+
+
+def test_kvshare_lane_on_one_host_over_tcp_is_slow_and_names_its_fix(monkeypatch):
+    """UCX_TLS=tcp keeps UCX from shared memory: the probe's bytes cross loopback's TCP, the
+    lane is tcp on lo, slow, and the fix names UCX_TLS. Control: the two-process test above
+    (UCX's defaults: shm/cma, not slow)."""
+    from kvshare_connector.toolkit.lane import measure
+
+    monkeypatch.setenv(TLS, "tcp")
+    result = measure("cpu", "cpu", mib=1)
+    assert result["lane"] == "tcp" and result["where"].startswith("lo, 127.0.0.1:"), result
+    assert result["slow"] and f"{TLS}=tcp leaves them out" in result["fix"]
+    assert result["prefill_ucx"] == {TLS: "tcp"} == result["decode_ucx"]
