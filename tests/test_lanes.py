@@ -339,3 +339,30 @@ def test_kvshare_lane_on_one_host_over_tcp_is_slow_and_names_its_fix(monkeypatch
     assert result["lane"] == "tcp" and result["where"].startswith("lo, 127.0.0.1:"), result
     assert result["slow"] and f"{TLS}=tcp leaves them out" in result["fix"]
     assert result["prefill_ucx"] == {TLS: "tcp"} == result["decode_ucx"]
+
+
+def test_kvshare_lane_against_a_prefills_side_channel():
+    """``kvshare lane --prefill HOST:PORT`` against a prefill's own side channel (a KVSource
+    with its KV and probe, not a lane peer): the engine id learned from its first answer, the
+    probe READ and checked. Control: a prefill whose probe holds other bytes fails it."""
+    from .support.transfer_peer import PeerProcess
+
+    spec = {"model": "g4tiny", "layout": "per_layer", "requests": 1, "tokens": 300,
+            "kv_mib": 16, "seed": 42, "port": 0, "probe_mib": 1}  # fmt: skip
+    peers = [{**spec, "name": "honest"}, {**spec, "name": "liar", "probe_lie": True}]
+    with PeerProcess(peers) as peer:
+        runs = {}
+        for name in ("honest", "liar"):
+            where = f"127.0.0.1:{peer.source(name)['port']}"
+            runs[name] = subprocess.run(
+                [sys.executable, "-m", "kvshare_connector.toolkit.cli", "lane", "--device",
+                 "cpu", "--prefill", where, "--mib", "1", "--json"],
+                capture_output=True, text=True, timeout=300, check=False,
+            )  # fmt: skip
+    assert runs["honest"].returncode == 0, runs["honest"].stderr[-2000:]
+    result = json.loads(runs["honest"].stdout.strip().splitlines()[-1])
+    assert result["lane"] == "shm/cma" and result["nbytes"] == 1 << 20
+    assert result["peer"] == peer.source("honest")["engine_id"]
+    assert runs["liar"].returncode == 1 and "other bytes than prefill's pattern" in (
+        runs["liar"].stderr
+    )
