@@ -1,5 +1,6 @@
-"""kv_exact's checks in verify mode and kv_outputs' comparison, on a committed GPU cell
-(2026-11-30, e2b/plain) with the verify-mode records added as the engines write them."""
+"""kv_exact's checks in verify mode and kv_outputs' comparison, on a GPU cell's records
+(2026-11-30, e2b/plain: the engines' JSON files, kept in tests/fixtures) with the
+verify-mode records added as the engines write them."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from gpu_checks import kv_exact, kv_outputs, prefix_batches
 
 ROOT = Path(__file__).resolve().parent.parent
-RAW = ROOT / "results" / "gpu" / "2026-11-30" / "raw" / "kv_exact" / "kvx1.tgz"
+RAW = ROOT / "tests" / "fixtures" / "kv_exact_e2b_plain.tgz"
 
 CELL = {**kv_exact.CELLS["e2b/plain"], "verify": True}
 
