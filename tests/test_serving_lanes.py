@@ -11,7 +11,7 @@ from benchmarks.gpu import serving_lanes
 
 ROOT = Path(__file__).resolve().parents[1]
 
-DIAG = ROOT / "results" / "gpu" / "2026-11-30" / "raw" / "diag"
+DIAG = ROOT / "tests" / "fixtures" / "gpu_runs" / "2026-11-30" / "raw" / "diag"
 
 
 def _initiator_log(name: str, variant: str) -> str:
