@@ -26,7 +26,7 @@ from kvshare_connector.backends.base import WorkerContext
 from kvshare_connector.backends.options import ConnectorOptions
 from kvshare_connector.common.log import get_logger
 from kvshare_connector.layout import kvcached
-from kvshare_connector.transfer.addresses import advertised_host
+from kvshare_connector.transfer.wire.addresses import advertised_host
 from kvshare_connector.vllm import compat, prefix_hits
 from kvshare_connector.vllm.adapter import engine_identity
 from kvshare_connector.vllm.metadata import KVShareMetadata, KVShareWorkerMeta
@@ -67,7 +67,7 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         if config.kv_role not in ROLES:
             raise ValueError(f"KVShareConnector: kv_role {config.kv_role!r} not in {ROLES}")
         # TP (issue 16): one worker per rank; rank r serves on port + r, the base port goes
-        # into kv_transfer_params with tp_size (kvshare_connector.transfer.shards).
+        # into kv_transfer_params with tp_size (kvshare_connector.transfer.decode.shards).
         tp_size, tp_rank = tensor_parallel(vllm_config, role != KVConnectorRole.SCHEDULER)
         options = ConnectorOptions.parse(config.kv_connector_extra_config)
         self.engine_id = config.engine_id or "kvshare"

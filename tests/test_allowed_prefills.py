@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvshare_connector.transfer import settings as engine_settings
-from kvshare_connector.transfer.settings import EngineSettings
+from kvshare_connector.transfer.wire import settings as engine_settings
+from kvshare_connector.transfer.wire.settings import EngineSettings
 
 
 def allows(entries: list[str], host: str, port: int) -> bool:

@@ -1,4 +1,4 @@
-"""``benchmarks/gpu/bench_digest_launch.py`` on the CPU: both modes run over the same blocks
+"""``lab/benchmarks/gpu/bench_digest_launch.py`` on the CPU: both modes run over the same blocks
 and agree, and its control (one byte changed) is caught, so a GPU run measures real work."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import json
 import subprocess
 import sys
 
-from benchmarks.gpu import bench_digest_launch as bench
+from lab.benchmarks.gpu import bench_digest_launch as bench
 
 
 def test_the_benchmark_runs_both_modes_on_the_cpu():
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu.bench_digest_launch", "--device", "cpu",
+        [sys.executable, "-m", "lab.benchmarks.gpu.bench_digest_launch", "--device", "cpu",
          "--rounds", "1", "--tokens", "1024", "--blocks", "128"],
         capture_output=True, text=True, timeout=300, check=True,
     ).stdout  # fmt: skip

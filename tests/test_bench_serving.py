@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
-from benchmarks.gpu import bench_serving as bs
-from benchmarks.gpu import serving_report as sr
 from kvshare_connector.vllm import compat
+from lab.benchmarks.gpu import bench_serving as bs
+from lab.benchmarks.gpu import serving_report as sr
 
 # What kvcached's engines get for the model runner: V1 where vLLM still has it (not 0.34).
 V1_RUNNER_ENV = "0" if compat.HAS_V1_MODEL_RUNNER else None
@@ -32,7 +32,7 @@ FAKE = ROOT / "tests" / "support" / "fake_vllm_server.py"
 FAKE_CMD = (
     f"{{python}} {shlex.quote(str(FAKE))} {{model}} --role {{role}} --host {{host}} --port {{port}}"
 )
-PACKAGED = ROOT / "kvshare_connector" / "devtools" / "models" / "g4tiny.json"
+PACKAGED = ROOT / "kvshare_connector" / "demo" / "models" / "g4tiny.json"
 
 
 @pytest.fixture(autouse=True)
@@ -401,7 +401,7 @@ def test_sigterm_stops_servers_and_bench(tmp_path: Path, model_dir: Path) -> Non
     tok.mkdir()
     base = free_port_run(bs.PORT_STRIDE)
     cmd = [
-        sys.executable, "-m", "benchmarks.gpu.bench_serving", "--out", str(out),
+        sys.executable, "-m", "lab.benchmarks.gpu.bench_serving", "--out", str(out),
         "--model-dir", str(model_dir), "--tokenizer", str(tok), "--deployments", "ours",
         "--warmup-requests", "0", "--server-cmd", FAKE_CMD, "--base-port", str(base),
         "--bench-cmd", "{python} -c 'import time; time.sleep(300)'",

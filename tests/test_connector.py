@@ -1,7 +1,7 @@
 """KVShareConnector inside vLLM's own machinery: factory, scheduler, worker hooks, NIXL.
 
 The two-process tests run vLLM's real ``Scheduler`` with the connector in both roles and
-drive the worker side the way the model runner does (``devtools/engine_sim.py``); only the
+drive the worker side the way the model runner does (``lab/tools/engine_sim.py``); only the
 model forward is emulated (it writes a known pattern into the blocks vLLM allocated).
 """
 
@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 
-from kvshare_connector.devtools.engine_sim import (
+from kvshare_connector.toolkit.procs import pick_free_port
+from lab.tools.engine_sim import (
     READY,
     RESULT,
     Engine,
     decode_requests,
     start_prefill,
 )
-from kvshare_connector.toolkit.procs import pick_free_port
 
 ROOT = str(Path(__file__).resolve().parents[1])
 
@@ -379,7 +379,7 @@ def test_pd_through_lmcache_backend(monkeypatch, engines):
     """Prefill stores owner layers' KV in LMCache (an lm:// server) in the step that computes
     it and holds no blocks; decode loads it into its own blocks through vLLM's scheduler."""
     pytest.importorskip("lmcache")
-    from kvshare_connector.devtools.engine_sim import lmcache_extra
+    from lab.tools.engine_sim import lmcache_extra
 
     from .support.lmcache_util import QUIET_ENV, running_lm_server
 
@@ -430,7 +430,7 @@ def test_pd_through_lmcache_backend(monkeypatch, engines):
                 pick_free_port(),
                 lmcache_extra(url),
                 connector="LoadSkippingConnector",
-                module_path="kvshare_connector.devtools.negative_control",
+                module_path="lab.tools.negative_control",
             )
             again = dict(params["p0"])
             skipped = dict(params["p1"], kvshare_test_skip_load=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvshare_connector.devtools import kvcheck
-from kvshare_connector.devtools.cpu_stack import build_cpu_stack, topology_of
+from kvshare_connector.demo import kvcheck
+from kvshare_connector.demo.cpu_stack import build_cpu_stack, topology_of
 from kvshare_connector.layout.descriptors import (
     DescriptorError,
     request_descriptors,
@@ -201,7 +201,7 @@ def test_the_cpu_stacks_rendezvous_takes_another_port_when_its_own_was_taken(mon
 
     import torch.distributed as dist
 
-    from kvshare_connector.devtools import cpu_stack
+    from kvshare_connector.demo import cpu_stack
 
     stores = []
 

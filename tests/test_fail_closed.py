@@ -23,10 +23,10 @@ from kvshare_connector.layout.topology import (
     Region,
 )
 from kvshare_connector.toolkit.procs import pick_free_port
-from kvshare_connector.transfer import kv_params, protocol
-from kvshare_connector.transfer.settings import EngineSettings
-from kvshare_connector.transfer.side_channel_client import ask
-from kvshare_connector.transfer.sink import align_block_ids
+from kvshare_connector.transfer.decode.sink import align_block_ids
+from kvshare_connector.transfer.wire import kv_params, protocol
+from kvshare_connector.transfer.wire.settings import EngineSettings
+from kvshare_connector.transfer.wire.side_channel_client import ask
 
 # ---- a. block counts, c. null blocks ----------------------------------------------------
 
@@ -162,7 +162,7 @@ def test_decode_scheduler_refuses_another_prompt_and_computes_it_locally():
     """vLLM's real Scheduler: a digest of another prompt fails the load before any
     handshake (nothing listens at remote_port); a request without a digest is accepted
     (and fails at the unreachable prefill instead)."""
-    from kvshare_connector.devtools.engine_sim import Engine, decode_requests, make_request
+    from lab.tools.engine_sim import Engine, decode_requests, make_request
 
     decode = Engine(
         "g4tiny",
@@ -256,7 +256,7 @@ def tiny_topology() -> KVTopology:
 
 @pytest.fixture
 def source():
-    from kvshare_connector.transfer.source import KVSource
+    from kvshare_connector.transfer.prefill.source import KVSource
 
     made = KVSource(tiny_topology(), StandInTransport(), EngineSettings("prefill-x"))
     made.hold("req-a", block_ids=[[4, 5, 6]])
@@ -420,7 +420,7 @@ def test_claiming_again_never_holds_a_request_past_its_first_claims_bound():
     """A reader that claims again and again (each claim asks for more time) once kept a
     request's blocks for as long as it went on; they are freed at the first claim's
     bound, and that is counted."""
-    from kvshare_connector.transfer.source import KVSource
+    from kvshare_connector.transfer.prefill.source import KVSource
 
     made = KVSource(tiny_topology(), StandInTransport(), EngineSettings("prefill-x", lease_s=0.2))
     try:

@@ -13,7 +13,7 @@ import pytest
 
 from kvshare_connector.common import failpoints
 from kvshare_connector.common.failpoints import FailpointError, failpoint
-from kvshare_connector.devtools.demo import request_block_ids
+from kvshare_connector.demo.parts import request_block_ids
 
 from .support.transfer_decode import TOKENS, decoder_pool, new_id, with_defaults
 from .support.transfer_peer import PeerProcess

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks.gpu import fault_matrix
-from benchmarks.gpu.serving import fault_report
+from lab.benchmarks.gpu import fault_matrix
+from lab.benchmarks.gpu.serving import fault_report
 
 
 def _fault_data(t0: float, victim: str = "prefill", action: str = "kill") -> dict[str, Any]:
@@ -374,7 +374,7 @@ def test_the_fault_run_reads_verify_kv_as_the_connector_does(extra: dict, env: d
                                                              expected: bool) -> None:
     """Whether a case's no_wrong_kv can be judged: verify_kv from the deployment's extra
     config and engine environment, by the connector's own option rules."""
-    from benchmarks.gpu.serving import faults
     from kvshare_connector.toolkit.launcher import ServeConfig
+    from lab.benchmarks.gpu.serving import faults
 
     assert faults.verifies(ServeConfig(model="m", kv_extra_config=extra, env=env)) is expected

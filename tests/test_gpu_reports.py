@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu import bench_pd_gpu
-from gpu_checks import gpu_pd_e2e_report as e2e_report
-from gpu_checks import processes as driver_processes
+from lab.benchmarks.gpu import bench_pd_gpu
+from lab.gpu_checks import gpu_pd_e2e_report as e2e_report
+from lab.gpu_checks import processes as driver_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 RAW = ROOT / "tests" / "fixtures" / "gpu_runs" / "2026-11-29b" / "raw"
@@ -238,7 +238,7 @@ def test_sigterm_to_the_driver_stops_its_engines():
             sys.executable,
             "-c",
             "import subprocess, time;"
-            "import gpu_checks.processes as e;"
+            "import lab.gpu_checks.processes as e;"
             "e.stop_with_the_driver();"
             "p = e.started(subprocess.Popen(['sleep', '60'], start_new_session=True));"
             "print(p.pid, flush=True); time.sleep(60)",
@@ -267,7 +267,7 @@ def test_one_round_gives_no_interval():
 
 
 def test_read_timeline_splits_the_claim_into_prefills_share_and_the_rest():
-    from benchmarks.gpu import read_timeline
+    from lab.benchmarks.gpu import read_timeline
 
     records = [{"bytes": 1 << 20, "prefill_held_s": 0.05, "prefill_answer_s": 0.001 * i,
                 "claims": 1 + (i == 3),
@@ -292,7 +292,7 @@ def test_read_timeline_splits_the_claim_into_prefills_share_and_the_rest():
 
 def test_read_timeline_gives_the_effective_rate_and_a_line_per_run(tmp_path, capsys):
     """Issue 21's effective rate: bytes over posted -> landed; runs cut at quiet gaps."""
-    from benchmarks.gpu import read_timeline
+    from lab.benchmarks.gpu import read_timeline
 
     def read(t: float, landed_ms: float, prepared: bool = False) -> dict:
         timeline = {"posted": 0.010, "arrived": 0.0105, "landed": 0.010 + landed_ms / 1e3}
@@ -324,7 +324,7 @@ def test_read_timeline_gives_the_effective_rate_and_a_line_per_run(tmp_path, cap
 def test_curve_table_joins_the_runs_of_each_prompt_length(tmp_path):
     """issue 21's curve across calls: every point of every run, ratios against the
     NixlConnector and colocated engine of the same run, rounds left out named."""
-    from benchmarks.gpu import curve_table
+    from lab.benchmarks.gpu import curve_table
 
     res = ROOT / "tests" / "fixtures" / "gpu_runs"
     runs = [res / "2026-12-03d" / "raw" / "curve1024_results.json",

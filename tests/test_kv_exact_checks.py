@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_checks import kv_exact, kv_outputs, prefix_batches
+from lab.gpu_checks import kv_exact, kv_outputs, prefix_batches
 
 ROOT = Path(__file__).resolve().parent.parent
 RAW = ROOT / "tests" / "fixtures" / "kv_exact_e2b_plain.tgz"

@@ -1,4 +1,4 @@
-"""``gpu_checks.kv_exact_tp``'s check, on per-rank digest files written on the CPU
+"""``lab.gpu_checks.kv_exact_tp``'s check, on per-rank digest files written on the CPU
 the way the TP probe writes them on the GPU: a faithful cell passes, its scrambled
 control batch mismatches, and a missing rank or a wrong head is reported."""
 
@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from gpu_checks import kv_exact_tp
-from kvshare_connector.devtools.cpu_stack import build_cpu_stack, topology_of
-from kvshare_connector.devtools.demo import requests_block_ids
-from kvshare_connector.devtools.headcheck import fill_heads
-from kvshare_connector.devtools.kv_digests import head_record, rank_path
-from kvshare_connector.transfer.shards import rank_shard
+from kvshare_connector.demo.cpu_stack import build_cpu_stack, topology_of
+from kvshare_connector.demo.parts import requests_block_ids
+from kvshare_connector.transfer.decode.shards import rank_shard
+from lab.gpu_checks import kv_exact_tp
+from lab.tools.headcheck import fill_heads
+from lab.tools.kv_digests import head_record, rank_path
 
 TOKENS = 200
 MODELS = {1: "gemma4_e2b_shape", 4: "gemma4_e2b_kv4"}

@@ -1,6 +1,6 @@
 """The KV probe's digests and comparison on KV memory laid out as vLLM 0.26 lays it out.
 
-What the GPU driver (gpu_checks/kv_exact.py) concludes rests on these: a faithful copy
+What the GPU driver (lab/gpu_checks/kv_exact.py) concludes rests on these: a faithful copy
 of every block compares equal across physical layouts (per-layer, kvcached, cross-layer),
 blocks aligned per group at the tail with null blocks skipped; the scrambled negative
 control, a single flipped byte and a sharer that reads the wrong owner are each reported
@@ -17,17 +17,17 @@ from typing import Any
 
 import pytest
 
-from kvshare_connector.devtools import kvcheck
-from kvshare_connector.devtools.kv_digests import (
+from kvshare_connector.demo import kvcheck
+from kvshare_connector.toolkit.procs import pick_free_port
+from kvshare_connector.vllm import compat
+from kvshare_connector.vllm.adapter import cross_layer_views
+from lab.tools.kv_digests import (
     compare,
     needed_from,
     positions_of,
     request_record,
     scrambled,
 )
-from kvshare_connector.toolkit.procs import pick_free_port
-from kvshare_connector.vllm import compat
-from kvshare_connector.vllm.adapter import cross_layer_views
 
 E2B = "gemma4_e2b_shape"
 TOKENS = 1300  # > the 512-token sliding window: sliding groups hold only a tail
@@ -269,7 +269,7 @@ def test_positions_scramble_and_needed_from():
 
 
 def _driver() -> Any:
-    from gpu_checks import kv_exact
+    from lab.gpu_checks import kv_exact
 
     return kv_exact
 
@@ -329,9 +329,9 @@ def _probe_pd(
     load is tampered with, which verify_kv must refuse); each decode request compared."""
     import json
 
-    from kvshare_connector.devtools.engine_sim import Engine, decode_requests
+    from lab.tools.engine_sim import Engine, decode_requests
 
-    probe = {"connector": "KVProbeConnector", "module_path": "kvshare_connector.devtools.kv_probe"}
+    probe = {"connector": "KVProbeConnector", "module_path": "lab.tools.kv_probe"}
     made = []
     try:
         config = {**extra, "kv_lease_duration": 60, "kv_probe": {"out": str(tmp_path / "p")}}
@@ -433,7 +433,7 @@ def test_probe_connector_reordered_load_is_refused_then_recomputed(tmp_path, mon
     prefill's wrote), and the probe's digests of the finished request's blocks equal
     prefill's. Control: a decode whose model writes nothing there; the same check must
     report the blocks differ."""
-    from kvshare_connector.devtools.engine_sim import Engine
+    from lab.tools.engine_sim import Engine
 
     if not computes:
         forward = Engine._forward_prefill
@@ -452,7 +452,7 @@ def test_probe_connector_reordered_load_is_refused_then_recomputed(tmp_path, mon
 def test_probe_connector_lmcache_pd(tmp_path, monkeypatch):
     """LMCache backend: prefill digests what it stores (it holds no blocks for decode)."""
     pytest.importorskip("lmcache")
-    from kvshare_connector.devtools.engine_sim import lmcache_extra
+    from lab.tools.engine_sim import lmcache_extra
 
     from .support.lmcache_util import QUIET_ENV, running_lm_server
 

@@ -1,17 +1,17 @@
-"""The TP probe's per-head digests (``devtools/kv_digests.py``), on vLLM's KV memory of
-each rank: what ``gpu_checks/kv_exact_tp.py`` concludes rests on these. A faithful
+"""The TP probe's per-head digests (``lab/tools/kv_digests.py``), on vLLM's KV memory of
+each rank: what ``lab/gpu_checks/kv_exact_tp.py`` concludes rests on these. A faithful
 head-by-head copy between TP sizes compares equal; heads in the wrong place do not."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvshare_connector.devtools.cpu_stack import build_cpu_stack, topology_of
-from kvshare_connector.devtools.demo import requests_block_ids
-from kvshare_connector.devtools.headcheck import fill_heads
-from kvshare_connector.devtools.kv_digests import compare, head_record, merge_ranks
+from kvshare_connector.demo.cpu_stack import build_cpu_stack, topology_of
+from kvshare_connector.demo.parts import requests_block_ids
 from kvshare_connector.layout.sharding import Shard, shard_of
-from kvshare_connector.transfer.shards import rank_shard
+from kvshare_connector.transfer.decode.shards import rank_shard
+from lab.tools.headcheck import fill_heads
+from lab.tools.kv_digests import compare, head_record, merge_ranks
 
 TOKENS = 200
 MODELS = {1: "gemma4_e2b_shape", 4: "gemma4_e2b_kv4"}

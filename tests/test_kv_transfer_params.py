@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvshare_connector.transfer import kv_params
+from kvshare_connector.transfer.wire import kv_params
 
 # ---- kv_transfer_params ---------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from kvshare_connector.transfer.lanes import MT_MUTEX, REMOTE_TCP, RX_SEG, TX_SEG
+from kvshare_connector.transfer.device.lanes import MT_MUTEX, REMOTE_TCP, RX_SEG, TX_SEG
 
 from .support.two_hosts import TwoHosts, same_machine_transports, two_hosts, ucx_read_paths
 

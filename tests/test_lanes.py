@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from kvshare_connector.transfer import lanes
-from kvshare_connector.transfer.lane_watch import Seen
-from kvshare_connector.transfer.lanes import GET_ZCOPY, RMA_PPLN, RX_SEG, TLS, TX_SEG
-from kvshare_connector.transfer.protocol import ProbeRef
-from kvshare_connector.transfer.records import LaneReport
+from kvshare_connector.transfer.device import lanes
+from kvshare_connector.transfer.device.lane_watch import Seen
+from kvshare_connector.transfer.device.lanes import GET_ZCOPY, RMA_PPLN, RX_SEG, TLS, TX_SEG
+from kvshare_connector.transfer.device.records import LaneReport
+from kvshare_connector.transfer.wire.protocol import ProbeRef
 
 
 @pytest.fixture(autouse=True)
@@ -242,7 +242,7 @@ def test_local_hosts():
 
 
 def test_slow_lane_is_logged_as_a_warning_with_the_fix(caplog):
-    from kvshare_connector.transfer.probe import log_lane
+    from kvshare_connector.transfer.device.probe import log_lane
 
     report = LaneReport("prefill-0", "10.0.0.1:5600", 8 << 20, 0.016, 0.52, "tcp", True,
                         "set UCX_X=y", where=TCP.where, ucx={"UCX_TLS": "tcp"},
@@ -290,11 +290,11 @@ def test_decode_refuses_a_prefill_whose_segments_it_cannot_receive(monkeypatch):
     """Through the real handshake: a prefill process sending 1 MiB tcp segments (its UCX
     settings come in the handshake) is refused by a decode receiving UCX's 64 KiB before
     any READ, naming the fix. Control: the same decode receiving 1 MiB reads it."""
-    from kvshare_connector.devtools.demo import build, request_block_ids
-    from kvshare_connector.transfer.kv_params import remote_prefill_params
-    from kvshare_connector.transfer.nixl import NixlTransport
-    from kvshare_connector.transfer.settings import EngineSettings
-    from kvshare_connector.transfer.sink import KVSink
+    from kvshare_connector.demo.parts import build, request_block_ids
+    from kvshare_connector.transfer.decode.sink import KVSink
+    from kvshare_connector.transfer.device.nixl import NixlTransport
+    from kvshare_connector.transfer.wire.kv_params import remote_prefill_params
+    from kvshare_connector.transfer.wire.settings import EngineSettings
 
     from .support.transfer_peer import PeerProcess
 

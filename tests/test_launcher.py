@@ -34,7 +34,7 @@ from kvshare_connector.toolkit.procs import (
     pick_free_port,
     stop_processes,
 )
-from kvshare_connector.transfer.side_channel import SECRET_ENV
+from kvshare_connector.transfer.wire.side_channel import SECRET_ENV
 from kvshare_connector.vllm import compat
 
 # What kvcached's engines get for the model runner: V1 where vLLM still has it (not 0.34).
@@ -421,7 +421,7 @@ def test_cli_serve_pd_exits_when_a_server_dies(tmp_path: Path) -> None:
 def test_cli_plugs_in_the_optional_demo_module(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvshare_connector.toolkit import cli
 
-    demo = types.ModuleType("kvshare_connector.devtools.demo")
+    demo = types.ModuleType("kvshare_connector.demo.run")
 
     def add_parser(sub) -> None:
         p = sub.add_parser("demo")
@@ -429,10 +429,10 @@ def test_cli_plugs_in_the_optional_demo_module(monkeypatch: pytest.MonkeyPatch) 
         p.set_defaults(func=lambda args: 40 + args.n)
 
     demo.add_parser = add_parser  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "kvshare_connector.devtools.demo", demo)
+    monkeypatch.setitem(sys.modules, "kvshare_connector.demo.run", demo)
     assert cli.main(["demo", "--n", "2"]) == 42
     # Without the module, the other subcommands still work and `demo` is unknown.
-    monkeypatch.setitem(sys.modules, "kvshare_connector.devtools.demo", None)
+    monkeypatch.setitem(sys.modules, "kvshare_connector.demo.run", None)
     parser = cli.build_parser()
     assert parser.parse_args(["sweep", "x.yaml"]).command == "sweep"
     with pytest.raises(SystemExit):

@@ -10,10 +10,10 @@ import time
 import pytest
 
 from kvshare_connector.backends.nixl import RecvRequest
-from kvshare_connector.devtools.demo import requests_block_ids
-from kvshare_connector.devtools.headcheck import fill_heads, head_mismatches
+from kvshare_connector.demo.parts import requests_block_ids
 from kvshare_connector.toolkit.procs import free_port_run
-from kvshare_connector.transfer import kv_params
+from kvshare_connector.transfer.wire import kv_params
+from lab.tools.headcheck import fill_heads, head_mismatches
 
 from .test_tp_backend import TOKENS, _shard, worker
 

@@ -47,7 +47,7 @@ from kvshare_connector.backends.lmcache.rows import (  # noqa: E402
 )
 from kvshare_connector.backends.lmcache.store import LMCacheStore  # noqa: E402
 from kvshare_connector.common.child_process import Child  # noqa: E402
-from kvshare_connector.devtools import kvcheck  # noqa: E402
+from kvshare_connector.demo import kvcheck  # noqa: E402
 from kvshare_connector.layout.matching import LayoutMismatch  # noqa: E402
 
 from .support.blockutil import zero_regions  # noqa: E402

@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 from lmcache.lmcache_native import EngineKVFormat, TransferDirection  # noqa: E402
 from lmcache.v1.platform.torch_ops.mem_kernels import multi_layer_kv_transfer  # noqa: E402
 
-from kvshare_connector.devtools.cpu_stack import build_cpu_stack  # noqa: E402
+from kvshare_connector.demo.cpu_stack import build_cpu_stack  # noqa: E402
 
 
 def _copy(rows: torch.Tensor, layer: torch.Tensor, slots: torch.Tensor, direction) -> None:

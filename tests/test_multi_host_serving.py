@@ -7,7 +7,7 @@ listens on every interface and advertises the address of its default route's int
 Decode host: ``serve-pd --role decode --allowed-prefills PREFILL:5600 --secret-file S``,
 ``kvshare proxy`` told both URLs and vllm-router (where installed), requests through each.
 vLLM itself cannot serve here (no GPU): the per-role command starts
-``devtools/serve_sim.py`` in its place (``--server-cmd``), vLLM's Scheduler and the
+``lab/tools/serve_sim.py`` in its place (``--server-cmd``), vLLM's Scheduler and the
 connector over vLLM-made KV tensors and NIXL, with the config and environment
 serve-pd gives ``vllm serve``. Checked: every load byte for byte (every layer-block
 against the pattern prefill wrote for that prompt; verify_kv's digests on top), the READs'
@@ -39,7 +39,7 @@ from .support.two_hosts import two_hosts
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "two_hosts.sh"
 IDS = range(100, 150)
-SIM = "{python} -m kvshare_connector.devtools.serve_sim {model} --host {host} --port {port}"
+SIM = "{python} -m lab.tools.serve_sim {model} --host {host} --port {port}"
 PROMPTS = [f"Request {i}: " + "the KV crosses the link " * (6 + 9 * i) for i in range(4)]
 
 

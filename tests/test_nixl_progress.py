@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvshare_connector.transfer.nixl import (
+from kvshare_connector.transfer.device.nixl import (
     PROGRESS_POLL_ENV,
     NixlTransport,
     progress_poll_ms_default,
@@ -35,7 +35,7 @@ TARGET = r"""
 import json, sys
 import numpy as np
 from kvshare_connector.layout.topology import Region
-from kvshare_connector.transfer.nixl import NixlTransport
+from kvshare_connector.transfer.device.nixl import NixlTransport
 transport = NixlTransport("target", progress_thread=sys.argv[1] == "on", progress_poll_ms=1)
 data = (np.arange(int(sys.argv[2]), dtype=np.uint32) * 2654435761 >> 7).astype(np.uint8)
 transport.register([Region(data.ctypes.data, data.nbytes, -1)])
@@ -52,9 +52,9 @@ def _child(code: str, *argv: str, env: dict[str, str] | None = None, **kw: Any) 
 
 
 def _idle_cores(poll_ms: float) -> float:
-    """An idle agent's CPU use, in cores (``devtools/idle_agent.py``)."""
+    """An idle agent's CPU use, in cores (``lab/tools/idle_agent.py``)."""
     environ = {**os.environ, "PYTHONPATH": str(ROOT)}
-    argv = [sys.executable, "-m", "kvshare_connector.devtools.idle_agent", "idle", str(poll_ms),
+    argv = [sys.executable, "-m", "lab.tools.idle_agent", "idle", str(poll_ms),
             "--cpu-seconds", "1.5"]  # fmt: skip
     out, _ = subprocess.Popen(argv, env=environ, text=True, stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE).communicate(timeout=120)  # fmt: skip

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvshare_connector.devtools import kvcheck
-from kvshare_connector.devtools.cpu_stack import build_cpu_stack, topology_of
+from kvshare_connector.demo import kvcheck
+from kvshare_connector.demo.cpu_stack import build_cpu_stack, topology_of
 from kvshare_connector.layout.descriptors import request_descriptors, transfer_descriptors
 from kvshare_connector.layout.matching import pair_owners
 from kvshare_connector.layout.staging import (
@@ -17,7 +17,13 @@ from kvshare_connector.layout.staging import (
     word_indices,
     word_size,
 )
-from kvshare_connector.transfer.packing import ALIGN, MemoryMap, Packer, PackingError, StagingArea
+from kvshare_connector.transfer.device.packing import (
+    ALIGN,
+    MemoryMap,
+    Packer,
+    PackingError,
+    StagingArea,
+)
 
 from .support.blockutil import disjoint_block_ids
 
@@ -274,11 +280,11 @@ def test_staging_area_reuses_freed_slots():
 
 
 def test_landing_benchmark_times_each_host_step(tmp_path):
-    """benchmarks/bench_landing.py on a short request: every step timed, the digests of the
+    """lab/benchmarks/bench_landing.py on a short request: every step timed, the digests of the
     same blocks compared equal (it exits 1 otherwise)."""
     import json
 
-    from benchmarks import bench_landing
+    from lab.benchmarks import bench_landing
 
     out = tmp_path / "landing.json"
     assert bench_landing.main(["--tokens", "512", "--repeat", "1", "--json", str(out)]) == 0

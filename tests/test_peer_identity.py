@@ -4,7 +4,7 @@ Prefill: a real ``transfer_peer.py`` process, no shared secret (the one-host def
 Decode: this process, a ``KVSink`` over vLLM's real KV memory. The liar: a side channel in
 this process, named in ``kv_transfer_params``, that relays the real prefill's handshake
 (anyone can fetch it without a secret) and approves every claim itself. Before the
-nameplate (``transfer/nameplate.py``), decode then READ the victim request's blocks from
+nameplate (``transfer/device/nameplate.py``), decode then READ the victim request's blocks from
 the real prefill, which never saw a claim; and evicting the liar unloaded the NIXL agent
 it shares with the real prefill, whose every later read failed with NIXL_ERR_NOT_FOUND.
 """
@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import pytest
 
-from kvshare_connector.devtools.demo import request_block_ids
-from kvshare_connector.transfer import protocol
-from kvshare_connector.transfer.side_channel import SideChannelServer
-from kvshare_connector.transfer.side_channel_client import ask
+from kvshare_connector.demo.parts import request_block_ids
+from kvshare_connector.transfer.wire import protocol
+from kvshare_connector.transfer.wire.side_channel import SideChannelServer
+from kvshare_connector.transfer.wire.side_channel_client import ask
 
 from .support.transfer_decode import assert_landed, decoder_pool, new_id, with_defaults
 from .support.transfer_peer import PeerProcess

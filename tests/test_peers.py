@@ -11,14 +11,14 @@ import time
 
 import pytest
 
-from kvshare_connector.devtools.demo import build, request_block_ids
+from kvshare_connector.demo.parts import build, request_block_ids
 from kvshare_connector.toolkit.procs import pick_free_port
-from kvshare_connector.transfer import protocol
-from kvshare_connector.transfer.kv_params import remote_prefill_params
-from kvshare_connector.transfer.nixl import NixlTransport
-from kvshare_connector.transfer.settings import EngineSettings
-from kvshare_connector.transfer.side_channel_client import Pipe
-from kvshare_connector.transfer.sink import KVSink
+from kvshare_connector.transfer.decode.sink import KVSink
+from kvshare_connector.transfer.device.nixl import NixlTransport
+from kvshare_connector.transfer.wire import protocol
+from kvshare_connector.transfer.wire.kv_params import remote_prefill_params
+from kvshare_connector.transfer.wire.settings import EngineSettings
+from kvshare_connector.transfer.wire.side_channel_client import Pipe
 
 from .support.transfer_peer import PeerProcess
 
@@ -155,7 +155,7 @@ def test_a_steps_claims_to_one_prefill_go_in_one_message(sink, alive, monkeypatc
 
 
 def test_claim_batches_split_by_prefill_and_caps():
-    from kvshare_connector.transfer.reads import Read, ReadOrder, claim_batches
+    from kvshare_connector.transfer.decode.reads import Read, ReadOrder, claim_batches
 
     def read(host_port: int, rid: str, blocks: int = 2, readers: int = 1) -> Read:
         params = remote_prefill_params({
@@ -200,7 +200,7 @@ def test_a_prefill_back_on_its_address_is_read_before_its_pause_ends(sink, monke
     """A failed prefill is handshaken in the background while its requests fail at once;
     back on its address (here a restart, as a mended link), it is read again long before
     its pause (120 s) ends. Control: without background tries, none is read meanwhile."""
-    from kvshare_connector.transfer import peers
+    from kvshare_connector.transfer.decode import peers
 
     monkeypatch.setattr(sink.peers, "retry_s", 120.0)
     if not early:

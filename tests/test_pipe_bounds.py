@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from benchmarks.bench_reply_flood import Flood
-from kvshare_connector.transfer import side_channel_client
-from kvshare_connector.transfer.side_channel import HEADER_BYTES, SideChannelError
-from kvshare_connector.transfer.side_channel_client import Pipe
+from kvshare_connector.transfer.wire import side_channel_client
+from kvshare_connector.transfer.wire.side_channel import HEADER_BYTES, SideChannelError
+from kvshare_connector.transfer.wire.side_channel_client import Pipe
+from lab.benchmarks.bench_reply_flood import Flood
 
 
 @pytest.fixture
@@ -96,7 +96,7 @@ def test_a_reply_within_its_bound_is_read_in_bounded_pumps_and_nothing_after_it(
 
 
 def test_the_reply_flood_benchmark_measures_a_refused_reply():
-    from benchmarks.bench_reply_flood import one_case
+    from lab.benchmarks.bench_reply_flood import one_case
 
     result = one_case(64 << 20, 64 << 10, pumps=500)
     assert result["settled"] and "answered something else" in result["error"]

@@ -1,5 +1,5 @@
 """Prefix caching on, as vLLM runs it (issue 50), through vLLM's own ``Scheduler`` on both
-engines, real NIXL between two processes and vLLM-made KV (``devtools/prefix_sim.py``).
+engines, real NIXL between two processes and vLLM-made KV (``lab/tools/prefix_sim.py``).
 
 Decode reads only the blocks past its own prefix hit in each KV cache group, never writes a
 block it did not allocate for the load, and a full hit reads nothing and frees prefill's
@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from kvshare_connector.devtools.engine_sim import READY, RESULT
-from kvshare_connector.devtools.negative_control import OVERWRITE_HITS
-from kvshare_connector.devtools.prefix_sim import PrefixEngine, start_prefill, tokens
 from kvshare_connector.toolkit.procs import pick_free_port
+from lab.tools.engine_sim import READY, RESULT
+from lab.tools.negative_control import OVERWRITE_HITS
+from lab.tools.prefix_sim import PrefixEngine, start_prefill, tokens
 
 ROOT = str(Path(__file__).resolve().parents[1])
 DECODE_SALT = 1  # decode's own KV differs from prefill's copy: a write over it shows
@@ -81,7 +81,7 @@ def test_decode_reads_only_past_its_hit_in_every_group(engines, tmp_path, layout
         decode = engines(
             "g4tiny", layout, "kv_consumer", pick_free_port(), {"read_log": str(log)},
             salt=DECODE_SALT, failure_policy="recompute", connector="HitOverwritingConnector",
-            module_path="kvshare_connector.devtools.negative_control",
+            module_path="lab.tools.negative_control",
         )  # fmt: skip
         # (made before any request: each engine seeds vLLM's process-wide hash of a prompt's
         # first block again, which would void the other's prefix cache afterwards)

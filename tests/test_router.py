@@ -41,12 +41,12 @@ from kvshare_connector.toolkit.procs import (
     stop_processes,
 )
 from kvshare_connector.toolkit.procs import wait_healthy as wait_ok
-from kvshare_connector.transfer.kv_params import (
+from kvshare_connector.transfer.wire.kv_params import (
     kv_transfer_params,
     prompt_mismatch,
     remote_prefill_params,
 )
-from kvshare_connector.transfer.protocol import NOTIF_DONE, notification, parse_notification
+from kvshare_connector.transfer.wire.protocol import NOTIF_DONE, notification, parse_notification
 
 from .support.fake_vllm_server import ThreadServer, fake_answer, fake_server, fake_text
 

@@ -16,14 +16,14 @@ from kvshare_connector.backends.options import ConnectorOptions, OptionError
 from kvshare_connector.toolkit import cli, roles
 from kvshare_connector.toolkit.checks import UsageError
 from kvshare_connector.toolkit.launcher import ServeConfig, pd_deployment, plan_pd
-from kvshare_connector.transfer import addresses
-from kvshare_connector.transfer.addresses import AdvertiseError, advertised_host
-from kvshare_connector.transfer.side_channel import (
+from kvshare_connector.transfer.wire import addresses
+from kvshare_connector.transfer.wire.addresses import AdvertiseError, advertised_host
+from kvshare_connector.transfer.wire.side_channel import (
     SECRET_ENV,
     SideChannelRefused,
     SideChannelServer,
 )
-from kvshare_connector.transfer.side_channel_client import ask
+from kvshare_connector.transfer.wire.side_channel_client import ask
 
 SECRET = b"the deployment's secret"
 ENGINE = "prefill-7"
@@ -214,14 +214,14 @@ def test_a_prefill_on_every_interface_names_its_routable_address_and_serves_it(m
     0.0.0.0: its kv_transfer_params name the host's routable address, decode dials that and
     loads byte for byte. Negative control: the same params naming 127.0.0.1, which reaches
     the same listener (and decode admits), are refused as misaddressed and computed locally."""
-    from kvshare_connector.devtools.engine_sim import (
+    from kvshare_connector.toolkit.procs import pick_free_port
+    from lab.tools.engine_sim import (
         READY,
         RESULT,
         Engine,
         decode_requests,
         start_prefill,
     )
-    from kvshare_connector.toolkit.procs import pick_free_port
 
     host = _routable()
     monkeypatch.setenv(roles.HOST_ENV, "0.0.0.0")

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from benchmarks.gpu import bench_serving as bs
-from benchmarks.gpu.serving import faults
 from kvshare_connector.toolkit.launcher import vllm_router_available
 from kvshare_connector.toolkit.procs import free_port_run, pick_free_port
+from lab.benchmarks.gpu import bench_serving as bs
+from lab.benchmarks.gpu.serving import faults
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,7 +26,7 @@ FAKE = ROOT / "tests" / "support" / "fake_vllm_server.py"
 FAKE_CMD = (
     f"{{python}} {shlex.quote(str(FAKE))} {{model}} --role {{role}} --host {{host}} --port {{port}}"
 )
-PACKAGED = ROOT / "kvshare_connector" / "devtools" / "models" / "g4tiny.json"
+PACKAGED = ROOT / "kvshare_connector" / "demo" / "models" / "g4tiny.json"
 
 #: A stand-in for vLLM's bench: the same options, requests at --request-rate, a result JSON
 #: with the fields the report and the fault timeline read (detailed ones included).

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.gpu import serving_lanes
+from lab.benchmarks.gpu import serving_lanes
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from benchmarks.gpu import serving_report as sr
-from benchmarks.gpu.serving import checks, metrics, scaling
-from benchmarks.gpu.serving.client import BenchClient
+from lab.benchmarks.gpu import serving_report as sr
+from lab.benchmarks.gpu.serving import checks, metrics, scaling
+from lab.benchmarks.gpu.serving.client import BenchClient
 
 from .test_serving_report import vllm_result
 
@@ -94,8 +94,8 @@ def test_runner_allows_each_point_its_own_time_and_caps_the_shape_warmup(tmp_pat
     """The time budget is judged per point: a long point's slow runs do not stop the short
     points after it. The shape warmup's prompts are capped at --shape-warmup-len, once per
     capped length and concurrency, and its durations count for the point it ran at."""
-    from benchmarks.gpu.bench_serving import build_parser
-    from benchmarks.gpu.serving.runs import Runner
+    from lab.benchmarks.gpu.bench_serving import build_parser
+    from lab.benchmarks.gpu.serving.runs import Runner
 
     args = build_parser().parse_args(
         ["--model-dir", str(tmp_path), "--out", str(tmp_path / "o"), "--input-len", "1024",
@@ -213,7 +213,7 @@ def test_bench_worker_runs_fails_and_times_out(tmp_path: Path, monkeypatch: Any)
 )  # fmt: skip
 def test_fault_options_that_do_not_go_together_are_refused(argv: list[str], message: str,
                                                            capsys: Any) -> None:  # fmt: skip
-    from benchmarks.gpu import bench_serving
+    from lab.benchmarks.gpu import bench_serving
 
     with pytest.raises(SystemExit):
         bench_serving.main(["--out", "/tmp/x", "--model-dir", "/m", "--mode", "faults", *argv])
@@ -228,8 +228,8 @@ def test_a_lone_engine_gets_the_benchmarks_flags(tmp_path: Path, capsys: Any) ->
     import sys
     import tempfile
 
-    from benchmarks.gpu import bench_serving
-    from kvshare_connector.devtools.cpu_stack import model_dir
+    from kvshare_connector.demo.cpu_stack import model_dir
+    from lab.benchmarks.gpu import bench_serving
 
     model = model_dir("gemma4_e2b_shape", tmp_path)
     argv = ["--engine-flags", "--model-dir", str(model), "--enforce-eager", "--kv-cache-gib", "2"]
@@ -241,7 +241,7 @@ def test_a_lone_engine_gets_the_benchmarks_flags(tmp_path: Path, capsys: Any) ->
     assert "--enforce-eager" in flags
     assert flags[flags.index("--kv-cache-memory-bytes") + 1] == str(2 << 30)
     root = Path(bench_serving.__file__).resolve().parents[2]
-    command = [sys.executable, "-m", "benchmarks.gpu.bench_serving", *argv]
+    command = [sys.executable, "-m", "lab.benchmarks.gpu.bench_serving", *argv]
     printed = subprocess.run(
         command, capture_output=True, text=True, check=True, cwd=root, timeout=120
     )

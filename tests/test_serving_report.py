@@ -1,4 +1,4 @@
-"""benchmarks/gpu/serving_report.py: summary, ratios, READ columns and the curve from a
+"""lab/benchmarks/gpu/serving_report.py: summary, ratios, READ columns and the curve from a
 serving run's raw files (as bench_serving writes them, or its tarball)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks.gpu import bench_serving as bs
-from benchmarks.gpu import serving_report as sr
+from lab.benchmarks.gpu import bench_serving as bs
+from lab.benchmarks.gpu import serving_report as sr
 
 
 def vllm_result(rps: float, ttft: float, itl: float, completed: int = 10) -> dict[str, Any]:

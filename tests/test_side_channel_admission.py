@@ -11,15 +11,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvshare_connector.devtools.attacks import connect, exchange, read_frame
-from kvshare_connector.transfer.side_channel import (
+from kvshare_connector.transfer.wire.side_channel import (
     HEADER_BYTES,
     Limits,
     SideChannelServer,
     destination,
     encode_request,
 )
-from kvshare_connector.transfer.side_channel_client import Pipe, ask
+from kvshare_connector.transfer.wire.side_channel_client import Pipe, ask
+from lab.tools.attacks import connect, exchange, read_frame
 
 SECRET = b"the deployment's shared secret"
 ENGINE = "prefill-admission"

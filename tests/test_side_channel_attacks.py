@@ -1,9 +1,9 @@
 """The side channel under attack, as issue 22 found it (docs/security.md maps each threat to
-a test here): a real prefill process (``devtools.attacks.TargetProcess``: vLLM's KV memory
+a test here): a real prefill process (``lab.tools.attacks.TargetProcess``: vLLM's KV memory
 on the CPU, a real NIXL agent and ``KVSource``) on loopback, bounded loops of hostile
 requests. Every one is refused, answered and counted; memory, log and unknown-id state stay
 bounded; a legitimate decode keeps getting answers. Timings are measured by
-``benchmarks/bench_side_channel.py``, not asserted here."""
+``lab/benchmarks/bench_side_channel.py``, not asserted here."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from kvshare_connector.devtools import attacks
-from kvshare_connector.devtools.demo import build, request_block_ids
-from kvshare_connector.transfer import kv_params, protocol, side_channel
-from kvshare_connector.transfer.source import EARLY_MEMORY
+from kvshare_connector.demo.parts import build, request_block_ids
+from kvshare_connector.transfer.prefill.source import EARLY_MEMORY
+from kvshare_connector.transfer.wire import kv_params, protocol, side_channel
+from lab.tools import attacks
 
 SECRET = "the deployment's shared secret"
 MIB = 1 << 20
@@ -76,9 +76,9 @@ def test_a_signed_hello_relayed_by_a_third_party_gets_no_metadata(target):
     attacker forwards it unchanged to prefill, which refuses it: the attacker never sees
     the NIXL metadata, and decode's request fails naming why. The same decode reads from
     prefill itself (the control: the secret and the request are good)."""
-    from kvshare_connector.transfer.nixl import NixlTransport
-    from kvshare_connector.transfer.settings import EngineSettings
-    from kvshare_connector.transfer.sink import KVSink
+    from kvshare_connector.transfer.decode.sink import KVSink
+    from kvshare_connector.transfer.device.nixl import NixlTransport
+    from kvshare_connector.transfer.wire.settings import EngineSettings
 
     stack, topology = build("g4tiny", "per_layer", 16, 2048)
     settings = EngineSettings("decode-relay", handshake_timeout_s=5.0, secret=SECRET.encode())
@@ -265,9 +265,9 @@ def test_nested_messages_are_refused_within_the_log_budget(target):
 
 
 def test_without_a_secret_prefill_refuses_to_serve_beyond_loopback():
-    from kvshare_connector.devtools.demo import build as build_stack
-    from kvshare_connector.transfer.settings import EngineSettings
-    from kvshare_connector.transfer.source import KVSource
+    from kvshare_connector.demo.parts import build as build_stack
+    from kvshare_connector.transfer.prefill.source import KVSource
+    from kvshare_connector.transfer.wire.settings import EngineSettings
 
     _stack, topology = build_stack("g4tiny", "per_layer", 16, 2048)
 

@@ -17,9 +17,8 @@ import time
 import msgspec
 import pytest
 
-from kvshare_connector.devtools.attacks import exchange, read_frame, request_header
-from kvshare_connector.transfer import side_channel, side_channel_wire
-from kvshare_connector.transfer.side_channel import (
+from kvshare_connector.transfer.wire import side_channel, side_channel_wire
+from kvshare_connector.transfer.wire.side_channel import (
     Limits,
     SideChannelError,
     SideChannelRefused,
@@ -28,7 +27,8 @@ from kvshare_connector.transfer.side_channel import (
     encode_reply,
     encode_request,
 )
-from kvshare_connector.transfer.side_channel_client import ask
+from kvshare_connector.transfer.wire.side_channel_client import ask
+from lab.tools.attacks import exchange, read_frame, request_header
 
 SECRET = b"a shared secret of the deployment"
 ENGINE = "prefill-0"

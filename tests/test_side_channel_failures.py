@@ -12,14 +12,14 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from kvshare_connector.devtools.attacks import NESTED, reset_after_reply
-from kvshare_connector.transfer import protocol
-from kvshare_connector.transfer.side_channel import (
+from kvshare_connector.transfer.wire import protocol
+from kvshare_connector.transfer.wire.side_channel import (
     Limits,
     SideChannelRefused,
     SideChannelServer,
 )
-from kvshare_connector.transfer.side_channel_client import ask
+from kvshare_connector.transfer.wire.side_channel_client import ask
+from lab.tools.attacks import NESTED, reset_after_reply
 
 SECRET = b"the deployment's shared secret"
 ENGINE = "prefill-failures"

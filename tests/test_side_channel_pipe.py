@@ -11,7 +11,7 @@ import time
 import pytest
 
 from kvshare_connector.toolkit.procs import pick_free_port
-from kvshare_connector.transfer.side_channel import (
+from kvshare_connector.transfer.wire.side_channel import (
     Limits,
     SideChannelError,
     SideChannelRefused,
@@ -19,7 +19,7 @@ from kvshare_connector.transfer.side_channel import (
     SideChannelServer,
     encode_reply,
 )
-from kvshare_connector.transfer.side_channel_client import Pipe, retryable
+from kvshare_connector.transfer.wire.side_channel_client import Pipe, retryable
 
 SECRET = b"the deployment's secret"
 ENGINE = "prefill-pipe"
@@ -181,9 +181,9 @@ def test_close_cancels_what_is_pending(echo):
 
 
 def test_claims_over_the_pipe_are_answered_during_a_flood_without_the_secret():
-    """``devtools.attacks.flood`` (the fault matrix's case e): every flood request is refused,
+    """``lab.tools.attacks.flood`` (the fault matrix's case e): every flood request is refused,
     and the decode's signed requests over its pipe are all answered meanwhile."""
-    from kvshare_connector.devtools.attacks import flood
+    from lab.tools.attacks import flood
 
     server = _server(lambda p: b"re: " + p)
     try:

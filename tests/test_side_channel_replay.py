@@ -16,9 +16,8 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from kvshare_connector.devtools.attacks import connect, exchange, replay_after
-from kvshare_connector.transfer import side_channel
-from kvshare_connector.transfer.side_channel import (
+from kvshare_connector.transfer.wire import side_channel
+from kvshare_connector.transfer.wire.side_channel import (
     Limits,
     SideChannelError,
     SideChannelServer,
@@ -26,6 +25,7 @@ from kvshare_connector.transfer.side_channel import (
     encode_request,
     reply_length,
 )
+from lab.tools.attacks import connect, exchange, replay_after
 
 SECRET = b"the deployment's shared secret"
 ENGINE = "prefill-replay"
@@ -46,7 +46,7 @@ def make_server() -> Iterator:
 
 def _signed(server: SideChannelServer, sender: bytes, counter: int) -> bytes:
     """A request signed with the secret, with a nonce of our choosing."""
-    from kvshare_connector.transfer.side_channel_wire import _REQUEST_DOMAIN
+    from kvshare_connector.transfer.wire.side_channel_wire import _REQUEST_DOMAIN
 
     where = destination(ENGINE, "127.0.0.1", server.port)
     nonce = sender + struct.pack(">Q", counter)
@@ -93,7 +93,7 @@ def test_counters_in_and_out_of_order_replays_and_a_full_table(make_server):
 
 
 def test_a_sender_is_forgotten_only_once_all_it_sent_is_stale():
-    from kvshare_connector.transfer.side_channel_replay import ReplayWindows
+    from kvshare_connector.transfer.wire.side_channel_replay import ReplayWindows
 
     windows = ReplayWindows(fresh_s=120.0, max_senders=1)
     nonce = b"A" * 8 + struct.pack(">Q", 7)
@@ -107,7 +107,7 @@ def test_a_sender_is_forgotten_only_once_all_it_sent_is_stale():
 
 def test_a_forked_process_signs_as_another_sender():
     """A child would repeat its parent's counters, which the server refuses as replays."""
-    from kvshare_connector.transfer.side_channel_replay import SENDER_BYTES, next_nonce
+    from kvshare_connector.transfer.wire.side_channel_replay import SENDER_BYTES, next_nonce
 
     mine = next_nonce()
     read, write = os.pipe()

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvshare_connector.transfer.records import TransferRecord
+from kvshare_connector.transfer.device.records import TransferRecord
 from kvshare_connector.vllm.prometheus import KVSharePromMetrics
 from kvshare_connector.vllm.stats import KVShareStats
 

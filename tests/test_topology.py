@@ -23,7 +23,7 @@ def gemma4_sharing_rule(model: str) -> dict[str, str]:
     """Gemma-4's rule, from its config alone: the last ``num_kv_shared_layers`` layers read
     the KV of the last earlier layer of the same attention type."""
     config = json.loads(
-        resources.files("kvshare_connector.devtools.models").joinpath(f"{model}.json").read_text()
+        resources.files("kvshare_connector.demo.models").joinpath(f"{model}.json").read_text()
     )
     types = config["layer_types"]
     first_shared = config["num_hidden_layers"] - config["num_kv_shared_layers"]
@@ -141,7 +141,7 @@ def test_module_import_is_pure():
 
     code = (
         "import sys, kvshare_connector.layout.topology, kvshare_connector.layout.descriptors, "
-        "kvshare_connector.transfer.protocol; "
+        "kvshare_connector.transfer.wire.protocol; "
         "bad = [m for m in ('vllm', 'nixl', 'nixl_cu13', 'torch') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )

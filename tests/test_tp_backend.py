@@ -13,11 +13,11 @@ import pytest
 from kvshare_connector.backends.base import WorkerContext
 from kvshare_connector.backends.nixl import NixlWorker, RecvRequest
 from kvshare_connector.backends.options import ConnectorOptions
-from kvshare_connector.devtools.cpu_stack import build_cpu_stack, topology_of
-from kvshare_connector.devtools.demo import requests_block_ids
-from kvshare_connector.devtools.headcheck import fill_heads, head_mismatches
+from kvshare_connector.demo.cpu_stack import build_cpu_stack, topology_of
+from kvshare_connector.demo.parts import requests_block_ids
 from kvshare_connector.toolkit.procs import free_port_run
-from kvshare_connector.transfer import kv_params
+from kvshare_connector.transfer.wire import kv_params
+from lab.tools.headcheck import fill_heads, head_mismatches
 
 TOKENS = 200
 MODELS = {1: "gemma4_e2b_shape", 4: "gemma4_e2b_kv4"}
@@ -89,7 +89,7 @@ def test_prefill_tp2_to_decode_tp1_through_the_backend(heads, verify):
 
 
 def _shard(w: NixlWorker):
-    from kvshare_connector.transfer.shards import rank_shard
+    from kvshare_connector.transfer.decode.shards import rank_shard
 
     c = w.context
     topology = (w.source or w.sink).topology

@@ -20,14 +20,15 @@ from typing import Any
 
 import pytest
 
-from kvshare_connector.devtools.cpu_stack import build_cpu_stack, topology_of
-from kvshare_connector.devtools.demo import requests_block_ids
-from kvshare_connector.devtools.headcheck import fill_heads, head_mismatches
+from kvshare_connector.demo.cpu_stack import build_cpu_stack, topology_of
+from kvshare_connector.demo.parts import requests_block_ids
 from kvshare_connector.layout import sharding
-from kvshare_connector.transfer import kv_params, shards
-from kvshare_connector.transfer.nixl import NixlTransport
-from kvshare_connector.transfer.settings import EngineSettings
-from kvshare_connector.transfer.shards import ShardedSink, rank_shard
+from kvshare_connector.transfer.decode import shards
+from kvshare_connector.transfer.decode.shards import ShardedSink, rank_shard
+from kvshare_connector.transfer.device.nixl import NixlTransport
+from kvshare_connector.transfer.wire import kv_params
+from kvshare_connector.transfer.wire.settings import EngineSettings
+from lab.tools.headcheck import fill_heads, head_mismatches
 
 from .support.tp_peer import TOKENS, TPPeer
 

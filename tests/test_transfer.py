@@ -12,13 +12,13 @@ import time
 
 import pytest
 
-from kvshare_connector.devtools import kvcheck
-from kvshare_connector.devtools.demo import request_block_ids
+from kvshare_connector.demo import kvcheck
+from kvshare_connector.demo.parts import request_block_ids
 from kvshare_connector.layout.descriptors import transfer_descriptors
 from kvshare_connector.layout.matching import EngineIdentity, pair_owners
-from kvshare_connector.transfer import kv_params
-from kvshare_connector.transfer.nixl import PROGRESS_THREAD_ENV, progress_thread_default
-from kvshare_connector.transfer.records import PHASES
+from kvshare_connector.transfer.device.nixl import PROGRESS_THREAD_ENV, progress_thread_default
+from kvshare_connector.transfer.device.records import PHASES
+from kvshare_connector.transfer.wire import kv_params
 
 from .support.transfer_decode import (
     E2B,
@@ -261,8 +261,8 @@ def test_a_packed_read_is_reported_only_once_its_scatter_is_done(peer, decoders,
     """The engine thread never waits for the scatter: while the device says it runs, the
     read stays in LAND with its staging slot held, and polls return at once. (The device's
     word is a CUDA event; a CPU box has none, so a stand-in answers "running" 6 times.)"""
-    from kvshare_connector.transfer.packing import Copy
-    from kvshare_connector.transfer.reads import Phase
+    from kvshare_connector.transfer.decode.reads import Phase
+    from kvshare_connector.transfer.device.packing import Copy
 
     packed = decoders(E2B, "per_layer", packed_mib=16)
     queries: list[bool] = []
@@ -503,8 +503,8 @@ def test_a_slow_reading_is_read_again_before_the_lane_is_called_slow(peer, decod
     reading is read again, spaced out, for ``PATIENCE_S`` before the verdict, and the speed
     is the fastest READ's. Host memory never reads slow, so the verdict is made to call
     every speed slow here; the probe test above is the control (3 READs, at once)."""
-    from kvshare_connector.transfer import probe
-    from kvshare_connector.transfer.lanes import Verdict
+    from kvshare_connector.transfer.device import probe
+    from kvshare_connector.transfer.device.lanes import Verdict
 
     monkeypatch.setattr(probe, "PATIENCE_S", 0.6)
     monkeypatch.setattr(probe, "RETRY_GAP_S", 0.1)

@@ -20,13 +20,13 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvshare_connector.devtools import kvcheck
-from kvshare_connector.devtools.attacks import exchange, read_frame, request_header
-from kvshare_connector.devtools.demo import request_block_ids
+from kvshare_connector.demo import kvcheck
+from kvshare_connector.demo.parts import request_block_ids
 from kvshare_connector.layout.descriptors import request_descriptors
 from kvshare_connector.toolkit.procs import pick_free_port
-from kvshare_connector.transfer import kv_params, protocol, side_channel
-from kvshare_connector.transfer.side_channel_client import ask
+from kvshare_connector.transfer.wire import kv_params, protocol, side_channel
+from kvshare_connector.transfer.wire.side_channel_client import ask
+from lab.tools.attacks import exchange, read_frame, request_header
 
 from .support.transfer_decode import (
     E2B,

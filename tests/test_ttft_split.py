@@ -1,4 +1,4 @@
-"""benchmarks/gpu/ttft_split.py: a request's TTFT split by joining the proxy's log with
+"""lab/benchmarks/gpu/ttft_split.py: a request's TTFT split by joining the proxy's log with
 decode's read log, on files laid out as a serving run writes them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.gpu import ttft_split
+from lab.benchmarks.gpu import ttft_split
 
 T0 = 1_796_323_300.0  # wall time of the run's start (UTC)
 

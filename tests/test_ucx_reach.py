@@ -23,7 +23,8 @@ from kvshare_connector.backends.base import WorkerContext
 from kvshare_connector.backends.nixl import NixlWorker, RecvRequest
 from kvshare_connector.backends.options import ConnectorOptions
 from kvshare_connector.common.child_process import Child
-from kvshare_connector.transfer import kv_params, lanes
+from kvshare_connector.transfer.device import lanes
+from kvshare_connector.transfer.wire import kv_params
 
 from .support.lane_peer import bound_sockets
 
@@ -77,7 +78,7 @@ def start_prefill(tp: int, ucx_lane: str) -> tuple[Child, dict]:
 
 
 def decode_worker(allowed: list[str]) -> tuple[NixlWorker, object, object, str]:
-    from kvshare_connector.devtools.cpu_stack import build_cpu_stack, topology_of
+    from kvshare_connector.demo.cpu_stack import build_cpu_stack, topology_of
 
     stack = build_cpu_stack("gemma4_e2b_kv4", "per_layer", kv_bytes=128 << 20,
                             max_model_len=1024, kv_heads=4)  # fmt: skip
@@ -96,9 +97,9 @@ def test_ucx_listens_on_loopback_only_and_a_tp_prefill_is_read_through_it(clean_
     """A TP2 prefill with its side channels on 127.0.0.1: every socket UCX listens on is
     loopback, and decode (allowed_prefills ``127.0.0.1:base``, so loopback-only too)
     READs both ranks' head slices from it, byte for byte."""
-    from kvshare_connector.devtools.demo import requests_block_ids
-    from kvshare_connector.devtools.headcheck import head_mismatches
-    from kvshare_connector.transfer.shards import rank_shard
+    from kvshare_connector.demo.parts import requests_block_ids
+    from kvshare_connector.transfer.decode.shards import rank_shard
+    from lab.tools.headcheck import head_mismatches
 
     child, ready = start_prefill(tp=2, ucx_lane="auto")
     decode = None

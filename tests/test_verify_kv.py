@@ -18,8 +18,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvshare_connector.devtools import kvcheck
-from kvshare_connector.devtools.demo import (
+from kvshare_connector.demo import kvcheck
+from kvshare_connector.demo.parts import (
     build,
     cpu_digester,
     cpu_packer,
@@ -28,11 +28,11 @@ from kvshare_connector.devtools.demo import (
 )
 from kvshare_connector.layout import verification
 from kvshare_connector.layout.verification import compare, remote_ids_of
-from kvshare_connector.transfer import claims as claims_module
-from kvshare_connector.transfer import protocol
-from kvshare_connector.transfer.nixl import NixlTransport
-from kvshare_connector.transfer.settings import EngineSettings
-from kvshare_connector.transfer.sink import KVSink
+from kvshare_connector.transfer.decode import claims as claims_module
+from kvshare_connector.transfer.decode.sink import KVSink
+from kvshare_connector.transfer.device.nixl import NixlTransport
+from kvshare_connector.transfer.wire import protocol
+from kvshare_connector.transfer.wire.settings import EngineSettings
 
 from .support.transfer_peer import PeerProcess, overwrite_first_block
 
@@ -425,7 +425,7 @@ def test_every_layer_block_digest_equals_the_reference(model, layout, chunk_byte
     host reference, block by block), also gathered a block at a time (``chunk_bytes`` 1:
     every chunk boundary). The control: a plan of other blocks gives other digests."""
     if chunk_bytes is not None:
-        monkeypatch.setattr("kvshare_connector.transfer.digests.CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr("kvshare_connector.transfer.device.digests.CHUNK_BYTES", chunk_bytes)
     stack, topology = build(model, layout, 64, 2048)
     ids = request_block_ids(topology, 600, seed=4)
     kvcheck.fill(stack.kv_caches, topology, ids, seed=4)

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvshare_connector.devtools.engine_sim import Engine
 from kvshare_connector.toolkit.procs import pick_free_port
 from kvshare_connector.vllm import compat
+from lab.tools.engine_sim import Engine
 
 needs_layouts = pytest.mark.skipif(
     not compat.HAS_KV_CACHE_LAYOUT,
@@ -97,7 +97,7 @@ def test_mixed_shapes_layer_major(stack_topology, layout):
 def test_head_order_differs_between_nhd_and_hnd(stack_topology):
     """With 4 KV heads the physical order inside a block differs (tokens or heads first),
     and the handshake's comparison names it instead of reading the wrong bytes."""
-    from kvshare_connector.devtools.cpu_stack import MODELS
+    from kvshare_connector.demo.cpu_stack import MODELS
     from kvshare_connector.layout.matching import differences
 
     if "gemma4_e2b_kv4" not in MODELS:
@@ -146,7 +146,7 @@ def test_the_releases_own_block_size(stack_topology):
     build 16 on every release). The topology reads that geometry off vLLM's views too, and a
     prefill and a decode that differ in it (two releases, both on their default) are told
     apart group by group before a byte moves."""
-    from kvshare_connector.devtools.cpu_stack import BLOCK_SIZE, build_cpu_stack, topology_of
+    from kvshare_connector.demo.cpu_stack import BLOCK_SIZE, build_cpu_stack, topology_of
     from kvshare_connector.layout.matching import differences
 
     stack = build_cpu_stack("gemma4_e2b_shape", "per_layer", block_size=None)

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from kvshare_connector.backends.options import ConnectorOptions
 from kvshare_connector.layout.matching import EngineIdentity
 from kvshare_connector.layout.topology import BlockIds, KVTopology
-from kvshare_connector.transfer.kv_params import RemotePrefillParams
-from kvshare_connector.transfer.records import LaneReport, TransferRecord
-from kvshare_connector.transfer.settings import EngineSettings
+from kvshare_connector.transfer.device.records import LaneReport, TransferRecord
+from kvshare_connector.transfer.wire.kv_params import RemotePrefillParams
+from kvshare_connector.transfer.wire.settings import EngineSettings
 
 if TYPE_CHECKING:
     import torch

@@ -1,9 +1,9 @@
 """Backend ``nixl`` (the default): decode READs the request's blocks straight from prefill.
 
 Prefill holds a finished request's blocks (clipped to each sliding window) under a lease and
-serves its layout on the side channel (``transfer.source.KVSource``); decode handshakes,
+serves its layout on the side channel (``transfer.prefill.source.KVSource``); decode handshakes,
 measures the lane, claims the request and READs into the blocks vLLM allocated
-(``transfer.sink.KVSink``), then notifies prefill, which frees them.
+(``transfer.decode.sink.KVSink``), then notifies prefill, which frees them.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ from kvshare_connector.backends.base import (
 )
 from kvshare_connector.common.log import LogBudget, get_logger
 from kvshare_connector.layout.topology import BlockIds, KVTopology
-from kvshare_connector.transfer import lanes
-from kvshare_connector.transfer.digests import Digester
-from kvshare_connector.transfer.kv_params import RemotePrefillParams
-from kvshare_connector.transfer.nixl import NixlTransport
-from kvshare_connector.transfer.packing import MemoryMap, Packer, StagingArea
-from kvshare_connector.transfer.probe import ProbeBuffer
-from kvshare_connector.transfer.shards import ShardedSink, rank_shard
-from kvshare_connector.transfer.source import KVSource
+from kvshare_connector.transfer.decode.shards import ShardedSink, rank_shard
+from kvshare_connector.transfer.device import lanes
+from kvshare_connector.transfer.device.digests import Digester
+from kvshare_connector.transfer.device.nixl import NixlTransport
+from kvshare_connector.transfer.device.packing import MemoryMap, Packer, StagingArea
+from kvshare_connector.transfer.device.probe import ProbeBuffer
+from kvshare_connector.transfer.prefill.source import KVSource
+from kvshare_connector.transfer.wire.kv_params import RemotePrefillParams
 
 if TYPE_CHECKING:
     from kvshare_connector.backends.base import KVTensors
@@ -281,7 +281,7 @@ def _shorten_switch_interval(ms: float) -> None:
     """Prefill's side channel answers claims on its own thread, which waits behind the
     engine thread for the GIL up to Python's switch interval at each of its hops (wake up,
     read, reply): 5 ms each by default. A shorter interval costs only while some thread
-    waits (``benchmarks/bench_claim_latency.py``). Never lengthened; 0: left as it is."""
+    waits (``lab/benchmarks/bench_claim_latency.py``). Never lengthened; 0: left as it is."""
     if 0 < ms / 1e3 < sys.getswitchinterval():
         sys.setswitchinterval(ms / 1e3)
 

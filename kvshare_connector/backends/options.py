@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvshare_connector.common.log import get_logger
-from kvshare_connector.transfer.kv_params import host_problem
-from kvshare_connector.transfer.settings import AllowedPrefill, AllowListError
+from kvshare_connector.transfer.wire.kv_params import host_problem
+from kvshare_connector.transfer.wire.settings import AllowedPrefill, AllowListError
 
 logger = get_logger(__name__)
 
@@ -226,7 +226,7 @@ def _convert(name: str, raw: Any, source: str) -> Any:
 
 
 def _allow_list(raw: Any, source: str) -> tuple[str, ...]:
-    """The ``allowed_prefills`` entries, each checked (``transfer.settings.AllowedPrefill``);
+    """The ``allowed_prefills`` entries, each checked (``transfer.wire.settings.AllowedPrefill``);
     one without a port is warned about once per process: it admits every port of its host,
     so on a shared host any process listening there passes for a prefill."""
     items = [raw] if isinstance(raw, str) else raw

@@ -1,7 +1,7 @@
 """The kvshare command: proxy, serve-pd, sweep (and demo when its module is present).
 
 Subcommands live in their modules; each registers itself through ``add_parser(subparsers)``
-and sets ``func(args) -> int``. ``kvshare_connector.devtools.demo`` is optional and imported
+and sets ``func(args) -> int``. ``kvshare_connector.demo.run`` is optional and imported
 lazily, so the command works (and starts fast) without it. Arguments after ``--`` go to
 ``vllm serve``.
 
@@ -430,9 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_parser(sub)
     lane.add_parser(sub)
     try:  # optional subcommand, in its own module
-        demo = importlib.import_module("kvshare_connector.devtools.demo")
+        demo = importlib.import_module("kvshare_connector.demo.run")
     except ImportError as exc:
-        if exc.name != "kvshare_connector.devtools.demo":  # demo exists but is broken: say so
+        if exc.name != "kvshare_connector.demo.run":  # demo exists but is broken: say so
             logger.warning("`kvshare demo` unavailable: %s", exc)
         demo = None
     if demo is not None and hasattr(demo, "add_parser"):

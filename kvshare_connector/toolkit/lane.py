@@ -1,8 +1,8 @@
 """``kvshare lane``: which UCX lane a decode's READ of prefill's KV takes, measured without vLLM.
 
-Each side chooses its UCX settings exactly as the connector does (``transfer.lanes``)
+Each side chooses its UCX settings exactly as the connector does (``transfer.device.lanes``)
 before its NIXL agent starts; prefill fills a probe buffer, decode READs it
-(``transfer.probe.LaneProbe``: one wire-up READ, then timed ones), checks every byte and
+(``transfer.device.probe.LaneProbe``: one wire-up READ, then timed ones), checks every byte and
 names the lane by what carried the bytes, with every UCX setting in force on each side.
 
 * ``kvshare lane``: both sides on this host, each in a process of its own.
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvshare_connector.toolkit import checks
-from kvshare_connector.transfer.probe import DEFAULT_PROBE_MIB
+from kvshare_connector.transfer.device.probe import DEFAULT_PROBE_MIB
 
 READY_S = 120.0  # a child's NIXL agent and CUDA context are up within this
 SECRET_ENV = "KVSHARE_SIDE_CHANNEL_SECRET"  # transfer.side_channel's, read at parse time
@@ -65,9 +65,9 @@ def _start_side(
         os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     import torch
 
-    from kvshare_connector.transfer import lanes
-    from kvshare_connector.transfer.nixl import NixlTransport
-    from kvshare_connector.transfer.probe import ProbeBuffer
+    from kvshare_connector.transfer.device import lanes
+    from kvshare_connector.transfer.device.nixl import NixlTransport
+    from kvshare_connector.transfer.device.probe import ProbeBuffer
 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -97,7 +97,7 @@ def _watch(probe: Any, timeout_s: float) -> Any:
 
 def _prefill_main(conn: Connection, device: str, mib: float, mode: str) -> None:
     try:
-        from kvshare_connector.transfer import lanes
+        from kvshare_connector.transfer.device import lanes
 
         plan, transport, buffer = _start_side(device, mib, mode, seed=20261202)
         region = buffer.region
@@ -117,7 +117,7 @@ def _prefill_main(conn: Connection, device: str, mib: float, mode: str) -> None:
 def _decode_main(conn: Connection, device: str, mib: float, mode: str, timeout_s: float) -> None:
     try:
         from kvshare_connector.layout.topology import Region
-        from kvshare_connector.transfer.probe import LaneProbe
+        from kvshare_connector.transfer.device.probe import LaneProbe
 
         plan, transport, buffer = _start_side(device, mib, mode, seed=None)
         remote = conn.recv()
@@ -193,9 +193,9 @@ def serve(
     """A lane peer at ``host:port``: the side channel answers a handshake naming a probe
     buffer on ``device``, until ``stop`` is set."""
     from kvshare_connector.layout.topology import KVTopology
-    from kvshare_connector.transfer import lanes
-    from kvshare_connector.transfer.settings import EngineSettings
-    from kvshare_connector.transfer.source import KVSource
+    from kvshare_connector.transfer.device import lanes
+    from kvshare_connector.transfer.prefill.source import KVSource
+    from kvshare_connector.transfer.wire.settings import EngineSettings
 
     reach = lanes.side_channel_reach(host, ())
     plan, transport, buffer = _start_side(device, mib, mode, 20261207, reach, quiet=False)
@@ -216,9 +216,9 @@ def serve(
 def _engine_id_of(host: str, port: int, secret: bytes | None, timeout_s: float) -> str:
     """The engine id the side channel at ``host:port`` answers to, from its refusal of a
     handshake addressed to no engine (only an address: the reply that counts is signed)."""
-    from kvshare_connector.transfer import protocol
-    from kvshare_connector.transfer.side_channel_client import ask
-    from kvshare_connector.transfer.side_channel_wire import SideChannelRefused
+    from kvshare_connector.transfer.wire import protocol
+    from kvshare_connector.transfer.wire.side_channel_client import ask
+    from kvshare_connector.transfer.wire.side_channel_wire import SideChannelRefused
 
     hello = protocol.encode(protocol.Hello(protocol.PROTOCOL_VERSION, "kvshare-lane"))
     try:
@@ -238,10 +238,11 @@ def probe_remote(
     """READ the probe of the prefill side channel at ``host:port`` (a lane peer or a prefill
     engine) from this host, as a decode engine here would."""
     from kvshare_connector.layout.topology import Region
-    from kvshare_connector.transfer import lanes, protocol
-    from kvshare_connector.transfer.peers import HANDSHAKE_REPLY_BYTES
-    from kvshare_connector.transfer.probe import LaneProbe
-    from kvshare_connector.transfer.side_channel_client import ask
+    from kvshare_connector.transfer.decode.peers import HANDSHAKE_REPLY_BYTES
+    from kvshare_connector.transfer.device import lanes
+    from kvshare_connector.transfer.device.probe import LaneProbe
+    from kvshare_connector.transfer.wire import protocol
+    from kvshare_connector.transfer.wire.side_channel_client import ask
 
     reach = lanes.side_channel_reach(None, (host,))
     plan, transport, buffer = _start_side(device, mib, mode, None, reach)

@@ -56,7 +56,7 @@ from kvshare_connector.toolkit.procs import (
     wait_healthy,
 )
 from kvshare_connector.toolkit.proxy import ProxyTimeouts
-from kvshare_connector.transfer.side_channel import SECRET_ENV
+from kvshare_connector.transfer.wire.side_channel import SECRET_ENV
 
 logger = logging.getLogger(__name__)
 

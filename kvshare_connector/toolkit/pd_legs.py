@@ -5,7 +5,7 @@ A completions prompt given as text is tokenized by prefill's server; the decode 
 carry the same text, so decode's server tokenized it a second time before decode's engine
 saw the request, on the path of every request's first token: with the serving benchmark's
 small BPE vocabulary on one CPU core 1.5 ms for a 1k prompt, 55 ms for 32k
-(``benchmarks/bench_prompt_handoff.py``). Prefill's server returns the ids it computed
+(``lab/benchmarks/bench_prompt_handoff.py``). Prefill's server returns the ids it computed
 (``return_token_ids``, vLLM 0.26 and 0.33) and the decode leg carries them instead: the same
 ids by construction, so decode's prompt check against prefill's digest holds, and JSON of
 32k ids costs ~4 ms. Chat requests keep their messages (a chat endpoint takes no ids).

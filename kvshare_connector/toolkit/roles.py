@@ -7,7 +7,7 @@ the hosts:
 
 * prefill's side channel listens on ``--side-channel-host`` (with ``--role``: ``--host``) and
   advertises the address decode dials: that host, or for every interface (``0.0.0.0``) the
-  routable address (``transfer/addresses.py``) or ``--advertise-host``;
+  routable address (``transfer/wire/addresses.py``) or ``--advertise-host``;
 * decode reaches only ``allowed_prefills``, written ``host:port`` (``--allowed-prefills``;
   the one-host form lists its own prefills'); a host alone would admit every port of it;
 * the secret comes from ``--secret-file`` or ``KVSHARE_SIDE_CHANNEL_SECRET`` in serve-pd's
@@ -86,7 +86,7 @@ def side_channel_host(cfg: ServeConfig) -> str:
 
 def advertised(cfg: ServeConfig) -> str:
     """The host prefill engines of this plan advertise (what the connector works out)."""
-    from kvshare_connector.transfer.addresses import advertised_host
+    from kvshare_connector.transfer.wire.addresses import advertised_host
 
     option = cfg.advertise_host or cfg.kv_extra_config.get("advertise_host")
     option = option or cfg.env.get(ADVERTISE_ENV) or os.environ.get(ADVERTISE_ENV)
@@ -96,7 +96,7 @@ def advertised(cfg: ServeConfig) -> str:
 def allow_list(cfg: ServeConfig, side_channels: list[int]) -> list[str]:
     """Decode's ``allowed_prefills``: the ones given, or the side channels (ports) of the
     plan's own prefills at their advertised host."""
-    from kvshare_connector.transfer.addresses import host_port
+    from kvshare_connector.transfer.wire.addresses import host_port
 
     if cfg.allowed_prefills:
         return list(cfg.allowed_prefills)
@@ -107,7 +107,7 @@ def allow_list(cfg: ServeConfig, side_channels: list[int]) -> list[str]:
 def check_allowed_prefills(entries: list[str]) -> None:
     """Each entry a ``host:port`` or ``host:first-last`` (a host alone admits every port
     of it: refused here, where the connector would only warn)."""
-    from kvshare_connector.transfer.settings import AllowedPrefill, AllowListError
+    from kvshare_connector.transfer.wire.settings import AllowedPrefill, AllowListError
 
     for entry in entries:
         try:
@@ -154,7 +154,7 @@ def check_command_line(args: argparse.Namespace) -> None:
 def reachable_host(host: str) -> str:
     """The host others dial for a server bound to ``host`` (every interface: the routable
     address)."""
-    from kvshare_connector.transfer.addresses import every_interface, routable_address
+    from kvshare_connector.transfer.wire.addresses import every_interface, routable_address
 
     return routable_address().host if every_interface(host) else host
 
@@ -179,7 +179,7 @@ def side_channels(cfg: ServeConfig, engines: list[EngineSpec]) -> list[str]:
     ports = [int(e.env[PORT_ENV]) for e in engines if e.role == "prefill" and PORT_ENV in e.env]
     if not ports:
         return []
-    from kvshare_connector.transfer.addresses import host_port
+    from kvshare_connector.transfer.wire.addresses import host_port
 
     host = advertised(cfg)
     return [host_port(host, port) for port in ports]

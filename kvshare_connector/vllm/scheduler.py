@@ -24,7 +24,7 @@ from kvshare_connector.backends.base import (
 from kvshare_connector.backends.options import ConnectorOptions
 from kvshare_connector.common.log import get_logger
 from kvshare_connector.layout.topology import BlockIds
-from kvshare_connector.transfer.kv_params import (
+from kvshare_connector.transfer.wire.kv_params import (
     KVTransferParamsError,
     kv_transfer_params,
     loaded_prompt_tokens,

@@ -8,7 +8,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvshare_connector.transfer.records import TransferRecord
+from kvshare_connector.transfer.device.records import TransferRecord
 
 _SERIES = ("bytes", "blocks", "descriptors", "seconds")
 # refused_*: prefill's side channel refused a message (unauthenticated, garbage, oversize,

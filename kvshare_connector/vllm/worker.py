@@ -20,7 +20,7 @@ from kvshare_connector.backends.base import Backend, WorkerContext, WorkerProgre
 from kvshare_connector.common.log import get_logger
 from kvshare_connector.layout import kvcached
 from kvshare_connector.layout.topology import BlockIds, KVTopology
-from kvshare_connector.transfer.records import TransferRecord
+from kvshare_connector.transfer.device.records import TransferRecord
 from kvshare_connector.vllm import adapter as vllm_adapter
 from kvshare_connector.vllm import compat
 from kvshare_connector.vllm.metadata import KVShareMetadata, KVShareWorkerMeta

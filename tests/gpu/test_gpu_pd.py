@@ -1,7 +1,8 @@
 """GPU end-to-end (skipped without CUDA): PD with KVShareConnector equals colocated vLLM.
 
-Runs ``python -m gpu_checks.gpu_pd_e2e`` over the matrix (hybrid / single-group Gemma-4, kvcached
-off / per-layer / contiguous, V2 model runner) and checks every cell: decode tokens equal
+Runs ``python -m lab.gpu_checks.gpu_pd_e2e`` over the matrix
+(hybrid / single-group Gemma-4, kvcached off / per-layer / contiguous, V2 model runner) and
+checks every cell: decode tokens equal
 the colocated baseline's, and the negative control (remote block ids reversed) differs;
 then the same for the LMCache backend's cells.
 """
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run(out: Path, *args: str) -> tuple[dict, list[dict]]:
     subprocess.run(
-        [sys.executable, "-m", "gpu_checks.gpu_pd_e2e", "run", "--out", str(out), *args],
+        [sys.executable, "-m", "lab.gpu_checks.gpu_pd_e2e", "run", "--out", str(out), *args],
         check=True,
         cwd=ROOT,
         timeout=1800,

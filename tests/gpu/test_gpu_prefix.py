@@ -1,10 +1,10 @@
 """GPU (skipped without CUDA): shared-prefix loads byte for byte (issue 50).
 
-Runs ``python -m gpu_checks.kv_exact run --prefix --verify`` on the E2B-shaped cell: after the
+Runs ``python -m lab.gpu_checks.kv_exact run --prefix --verify`` on the E2B-shaped cell: after the
 main batch, prompts that start as its prompts load only what decode's prefix cache lacks (the
 read log's tokens hit and loaded; fewer bytes than the main batch's loads of the same length)
 and land byte for byte; their control, loaded with each group's block ids rotated, must
-mismatch (``gpu_checks/prefix_batches.py``).
+mismatch (``lab/gpu_checks/prefix_batches.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def test_shared_prefix_loads_read_past_the_hit_byte_for_byte(tmp_path):
     out = Path(os.environ.get("KVSHARE_GPU_OUT", tmp_path))
     gpus = "2" if torch.cuda.device_count() >= 2 else "1"
     run = subprocess.run(
-        [sys.executable, "-m", "gpu_checks.kv_exact", "run", "--out", str(out),
+        [sys.executable, "-m", "lab.gpu_checks.kv_exact", "run", "--out", str(out),
          "--cells", "e2b/plain", "--gpus", gpus, "--verify", "--prefix"],
         cwd=ROOT, timeout=1800, check=False,
     )  # fmt: skip

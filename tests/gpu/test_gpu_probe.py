@@ -33,7 +33,7 @@ def _land(dst, src) -> None:
 
 @pytest.mark.parametrize("clear_on_engine_stream", [False, True])
 def test_a_clear_before_the_read_is_not_run_after_it(clear_on_engine_stream):
-    from kvshare_connector.transfer.probe import ProbeBuffer
+    from kvshare_connector.transfer.device.probe import ProbeBuffer
 
     prefill = ProbeBuffer(NBYTES, "cuda", seed=SEED)
     decode = ProbeBuffer(NBYTES, "cuda")
@@ -50,7 +50,7 @@ def test_a_clear_before_the_read_is_not_run_after_it(clear_on_engine_stream):
 
 @pytest.mark.parametrize("fill_on_engine_stream", [False, True])
 def test_the_pattern_is_in_place_when_the_buffer_is_made_on_a_busy_device(fill_on_engine_stream):
-    from kvshare_connector.transfer.probe import ProbeBuffer
+    from kvshare_connector.transfer.device.probe import ProbeBuffer
 
     reference = ProbeBuffer(NBYTES, "cuda", seed=SEED)
     expected = reference._pattern(SEED).view(torch.uint8)

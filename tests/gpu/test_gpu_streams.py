@@ -15,8 +15,8 @@ pytestmark = [
 
 
 def test_gather_scatter_and_digests_use_the_highest_priority_stream():
-    from kvshare_connector.transfer.digests import Digester
-    from kvshare_connector.transfer.packing import MemoryMap, Packer, StagingArea
+    from kvshare_connector.transfer.device.digests import Digester
+    from kvshare_connector.transfer.device.packing import MemoryMap, Packer, StagingArea
 
     kv = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda")
     memory = MemoryMap([kv])
@@ -42,7 +42,7 @@ def test_a_hold_time_gather_does_not_wait_for_the_queued_forward(after_compute):
     step's forward, queued by then under async scheduling). A long kernel stands for that
     forward: without the wait the gather is done while it still runs; the control (the
     decode side's default) waits for it."""
-    from kvshare_connector.transfer.packing import MemoryMap, Packer, StagingArea
+    from kvshare_connector.transfer.device.packing import MemoryMap, Packer, StagingArea
 
     kv = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda")
     packer = Packer(MemoryMap([kv]), StagingArea(1 << 20, "cuda"))
@@ -64,7 +64,7 @@ def test_a_scatter_planned_before_its_slot_lands_from_the_slot(launch_at_slot):
     """Decode plans a packed read's scatter while its claim is out, in offsets relative to
     the staging slot, and launches it at the slot the post allocated (here not the area's
     first). The control launches the same plan at the area's start: other bytes land."""
-    from kvshare_connector.transfer.packing import ALIGN, MemoryMap, Packer, StagingArea
+    from kvshare_connector.transfer.device.packing import ALIGN, MemoryMap, Packer, StagingArea
 
     kv = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
     packer = Packer(MemoryMap([kv]), StagingArea(4 * ALIGN + (1 << 16), "cuda"))
@@ -93,7 +93,7 @@ def test_one_view_over_several_storages_moves_the_right_bytes():
     """``MemoryMap.window`` on CUDA (a storage made from the lowest storage's pointer,
     spanning both): a gather and a scatter with runs in two storages, one indexed copy
     each, move the right bytes, and nothing else in either storage changes."""
-    from kvshare_connector.transfer.packing import MemoryMap, Packer, StagingArea
+    from kvshare_connector.transfer.device.packing import MemoryMap, Packer, StagingArea
 
     a = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda")
     b = torch.randint(0, 255, (8 << 20,), dtype=torch.uint8, device="cuda")

@@ -22,7 +22,7 @@ generated (the proxy's first-token hand-off) and continues after them.
 With ``FAKE_CORRUPT_DECODE=1`` in its environment a decode server shifts every number it
 generates (a negative control for the sweep).
 
-For the fault tests (benchmarks/gpu/serving/faults.py): ``KVSHARE_FAILPOINTS`` is honoured
+For the fault tests (lab/benchmarks/gpu/serving/faults.py): ``KVSHARE_FAILPOINTS`` is honoured
 with the real parser, a prefill hitting its ``source.*`` points at each KV pull and a decode
 its ``sink.*``/``peers.*`` points at each load, before it pulls (so ``exit@K`` dies at the
 K+1st); a prefill reports ``vllm:kv_cache_usage_perc`` from the KV records it still holds,

@@ -1,5 +1,5 @@
 """An engine on one of two hosts (``two_hosts``): vLLM's scheduler with KVShareConnector
-over vLLM-made CPU KV (``devtools/engine_sim.Engine``), driven by JSON lines on stdin.
+over vLLM-made CPU KV (``lab/tools/engine_sim.Engine``), driven by JSON lines on stdin.
 
 It steps all the time (prefill frees what decode read or what outlived its lease; decode
 moves its reads), except while a decode batch is paused. Commands::
@@ -84,7 +84,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from kvshare_connector.common.child_process import report
-    from kvshare_connector.devtools.engine_sim import Engine
+    from lab.tools.engine_sim import Engine
 
     role = "kv_producer" if args.role == "prefill" else "kv_consumer"
     engine = Engine(args.model, "per_layer", role, args.port, args.extra,

@@ -1,7 +1,7 @@
 """A prefill engine of the NIXL backend as the connector builds it, in a process of its own:
 one ``NixlWorker`` per TP rank (side channel on 127.0.0.1, rank r on the base port + r),
 each holding one request filled with the pattern of its global heads
-(``devtools.headcheck``). What UCX opens here is this process's alone, so a test can read
+(``lab.tools.headcheck``). What UCX opens here is this process's alone, so a test can read
 its sockets from /proc (``tests/test_ucx_reach.py``). Reports on stdout::
 
     READY {"pid", "before": ["address:port" bound before the connector started],
@@ -62,12 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     from kvshare_connector.backends.nixl import NixlWorker
     from kvshare_connector.backends.options import ConnectorOptions
     from kvshare_connector.common.child_process import report
-    from kvshare_connector.devtools.cpu_stack import build_cpu_stack, topology_of
-    from kvshare_connector.devtools.demo import requests_block_ids
-    from kvshare_connector.devtools.headcheck import fill_heads
+    from kvshare_connector.demo.cpu_stack import build_cpu_stack, topology_of
+    from kvshare_connector.demo.parts import requests_block_ids
     from kvshare_connector.toolkit.procs import free_port_run
-    from kvshare_connector.transfer.kv_params import kv_transfer_params
-    from kvshare_connector.transfer.shards import rank_shard
+    from kvshare_connector.transfer.decode.shards import rank_shard
+    from kvshare_connector.transfer.wire.kv_params import kv_transfer_params
+    from lab.tools.headcheck import fill_heads
 
     model = "gemma4_e2b_kv4" if args.heads == 4 else "gemma4_e2b_shape"
     options = ConnectorOptions.parse(

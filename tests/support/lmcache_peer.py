@@ -29,7 +29,7 @@ def main() -> None:
 
     from kvshare_connector.backends.lmcache.store import LMCacheStore
     from kvshare_connector.common.child_process import report
-    from kvshare_connector.devtools import kvcheck
+    from kvshare_connector.demo import kvcheck
 
     from .lmcache_util import build, config, drop_outside_windows, full_tables, prompt
 

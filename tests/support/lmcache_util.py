@@ -64,7 +64,7 @@ def build(model: str, layout: str, kv_mib: int = 32) -> tuple[Any, KVTopology, A
 
 @functools.cache
 def _build(model: str, layout: str, kv_mib: int) -> tuple[Any, KVTopology, Any]:
-    from kvshare_connector.devtools.cpu_stack import build_cpu_stack, topology_of
+    from kvshare_connector.demo.cpu_stack import build_cpu_stack, topology_of
 
     stack = build_cpu_stack(model, layout, kv_bytes=kv_mib << 20, max_model_len=1024)
     # vLLM 0.33's block-major "cross_layer" is per-layer views again, not one tensor.

@@ -4,7 +4,7 @@ Each rank builds vLLM's own KV memory for its part of the model's KV heads (a TP
 with ``num_kv_heads = heads / tp``, what a rank of TP ``tp`` holds), has its own NIXL agent
 and serves on ``base_port + rank``, like the connector's per-rank workers. Every rank
 holds the same requests in the same block ids (one scheduler) and fills each head with
-the pattern of its global head index (``devtools.headcheck``). Reports on stdout::
+the pattern of its global head index (``lab.tools.headcheck``). Reports on stdout::
 
     READY {"name", "tp", "heads", "base_port", "requests": [{"request_id", "seed",
            "kv_transfer_params"}]}    once per engine
@@ -35,15 +35,15 @@ def emit(prefix: str, payload: Any) -> None:
 
 class Engine:
     def __init__(self, spec: dict[str, Any]):
-        from kvshare_connector.devtools.cpu_stack import build_cpu_stack, topology_of
-        from kvshare_connector.devtools.demo import requests_block_ids
-        from kvshare_connector.devtools.headcheck import fill_heads
+        from kvshare_connector.demo.cpu_stack import build_cpu_stack, topology_of
+        from kvshare_connector.demo.parts import requests_block_ids
         from kvshare_connector.toolkit.procs import free_port_run
-        from kvshare_connector.transfer.kv_params import kv_transfer_params
-        from kvshare_connector.transfer.nixl import NixlTransport
-        from kvshare_connector.transfer.settings import EngineSettings
-        from kvshare_connector.transfer.shards import rank_shard
-        from kvshare_connector.transfer.source import KVSource
+        from kvshare_connector.transfer.decode.shards import rank_shard
+        from kvshare_connector.transfer.device.nixl import NixlTransport
+        from kvshare_connector.transfer.prefill.source import KVSource
+        from kvshare_connector.transfer.wire.kv_params import kv_transfer_params
+        from kvshare_connector.transfer.wire.settings import EngineSettings
+        from lab.tools.headcheck import fill_heads
 
         self.name, tp, heads = spec["name"], spec["tp"], spec["heads"]
         engine_id = f"{self.name}-{uuid.uuid4().hex[:8]}"

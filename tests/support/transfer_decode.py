@@ -11,8 +11,8 @@ import os
 import time
 from typing import Any
 
-from kvshare_connector.devtools import kvcheck
-from kvshare_connector.devtools.demo import build, cpu_packer, read_and_check
+from kvshare_connector.demo import kvcheck
+from kvshare_connector.demo.parts import build, cpu_packer, read_and_check
 from kvshare_connector.layout.matching import EngineIdentity
 
 TOKENS = 300  # g4tiny: 5 blocks in each sliding group (window 128), 19 in the full group
@@ -48,10 +48,10 @@ class Decoder:
         progress_thread: bool = False,
         probe_mib: int = 0,
     ):
-        from kvshare_connector.transfer.nixl import NixlTransport
-        from kvshare_connector.transfer.probe import ProbeBuffer
-        from kvshare_connector.transfer.settings import EngineSettings
-        from kvshare_connector.transfer.sink import KVSink
+        from kvshare_connector.transfer.decode.sink import KVSink
+        from kvshare_connector.transfer.device.nixl import NixlTransport
+        from kvshare_connector.transfer.device.probe import ProbeBuffer
+        from kvshare_connector.transfer.wire.settings import EngineSettings
 
         self.stack, self.topology = build(model, layout, kv_mib, 2048)
         self.transport = NixlTransport(

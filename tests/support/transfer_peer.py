@@ -53,7 +53,7 @@ def emit(prefix: str, payload: Any) -> None:
 
 def disjoint_requests(topology: Any, tokens: int, count: int, seed: int) -> list[list[list[int]]]:
     """``count`` requests' block ids per group, as a block pool hands them out."""
-    from kvshare_connector.devtools.demo import requests_block_ids
+    from kvshare_connector.demo.parts import requests_block_ids
 
     return requests_block_ids(topology, tokens, count, seed)
 
@@ -71,13 +71,13 @@ class Served:
     """One source and the requests it holds."""
 
     def __init__(self, spec: dict[str, Any]):
-        from kvshare_connector.devtools import kvcheck
-        from kvshare_connector.devtools.demo import build, cpu_digester, cpu_packer
+        from kvshare_connector.demo import kvcheck
+        from kvshare_connector.demo.parts import build, cpu_digester, cpu_packer
         from kvshare_connector.layout.matching import EngineIdentity
-        from kvshare_connector.transfer.kv_params import kv_transfer_params
-        from kvshare_connector.transfer.nixl import NixlTransport
-        from kvshare_connector.transfer.settings import EngineSettings
-        from kvshare_connector.transfer.source import KVSource
+        from kvshare_connector.transfer.device.nixl import NixlTransport
+        from kvshare_connector.transfer.prefill.source import KVSource
+        from kvshare_connector.transfer.wire.kv_params import kv_transfer_params
+        from kvshare_connector.transfer.wire.settings import EngineSettings
 
         self.name = spec["name"]
         kv_mib = spec.get("kv_mib", 64)
@@ -101,7 +101,7 @@ class Served:
         packer = cpu_packer(self.stack, spec.get("packed_mib", 0))
         probe = None
         if spec.get("probe_mib"):
-            from kvshare_connector.transfer.probe import ProbeBuffer
+            from kvshare_connector.transfer.device.probe import ProbeBuffer
 
             probe = ProbeBuffer(spec["probe_mib"] << 20, "cpu", seed=seed)
             if spec.get("probe_lie"):
@@ -223,7 +223,7 @@ def peer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     test_nixl_progress.py, but the peers keep the setting they were written for.) A peer
     polls its sources all the time, which progresses them (the connector's engines keep
     the thread on by default: tests/test_kv_probe.py, test_connector.py)."""
-    from kvshare_connector.transfer.nixl import PROGRESS_THREAD_ENV
+    from kvshare_connector.transfer.device.nixl import PROGRESS_THREAD_ENV
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault(PROGRESS_THREAD_ENV, "0")

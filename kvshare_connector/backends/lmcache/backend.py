@@ -39,7 +39,7 @@ from kvshare_connector.backends.lmcache.config import (
 from kvshare_connector.backends.options import ConnectorOptions
 from kvshare_connector.common.log import get_logger
 from kvshare_connector.layout.topology import BlockIds, KVTopology
-from kvshare_connector.transfer.kv_params import RemotePrefillParams
+from kvshare_connector.transfer.wire.kv_params import RemotePrefillParams
 
 if TYPE_CHECKING:
     from kvshare_connector.backends.lmcache.store import LMCacheStore

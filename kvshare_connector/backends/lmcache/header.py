@@ -26,7 +26,7 @@ from kvshare_connector.backends.lmcache.errors import (
 )
 from kvshare_connector.layout.matching import LayoutMismatch, differences
 from kvshare_connector.layout.topology import KVTopology
-from kvshare_connector.transfer import protocol
+from kvshare_connector.transfer.wire import protocol
 
 HEADER_VERSION = 1
 

@@ -41,7 +41,7 @@ from kvshare_connector.backends.lmcache.rows import OwnerRows, Stream, streams_o
 from kvshare_connector.backends.lmcache.tables import cut_tables, load_from, store_from
 from kvshare_connector.common.log import get_logger
 from kvshare_connector.layout.topology import KVTopology
-from kvshare_connector.transfer import protocol
+from kvshare_connector.transfer.wire import protocol
 
 logger = get_logger(__name__)
 

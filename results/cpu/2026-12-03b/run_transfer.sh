@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 R=results/cpu/2026-12-03b/raw
 run() {  # NAME POLL_MS THREAD
-  KVSHARE_NIXL_PROGRESS_POLL_MS=$2 .venv/bin/python -m benchmarks.bench_transfer --tokens 16384 \
+  KVSHARE_NIXL_PROGRESS_POLL_MS=$2 .venv/bin/python -m lab.benchmarks.bench_transfer --tokens 16384 \
     --batch 2 --progress-thread "$3" --json "$R/transfer-$1.json" > "$R/transfer-$1.md"
 }
 for round in 1 2 3; do

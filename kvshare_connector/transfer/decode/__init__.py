@@ -1,0 +1,2 @@
+"""Decode's side: peers and handshakes, claims, the READ of each request and its landing, TP
+shards."""

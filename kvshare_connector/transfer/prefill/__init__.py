@@ -1,0 +1,1 @@
+"""Prefill's side: the requests it holds for decode and its answers to claims."""

@@ -1,0 +1,1 @@
+"""The lab: benchmarks, GPU correctness drivers, test tools (lab/README.md)."""
