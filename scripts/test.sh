@@ -5,7 +5,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/vllm_env.sh || exit 1
 [ -x "$VENV/bin/python" ] || bash scripts/setup.sh || exit 1
-"$VENV/bin/ruff" check kvshare_connector tests scripts benchmarks gpu_checks || exit 1
+"$VENV/bin/ruff" check kvshare_connector tests scripts lab || exit 1
 # Random order (pytest-randomly: modules, then the tests inside each, shuffled), with the
 # seed printed so that a failure can be replayed: KVSHARE_TEST_SEED=<seed> bash scripts/test.sh
 SEED="${KVSHARE_TEST_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}"
