@@ -10,7 +10,8 @@ stepping every ``--step-ms``. Side by side, per round in rotated order:
 
 * decode asks on a helper thread (a connection per claim, as before) or over the ``Pipe``
   its engine thread drives at step boundaries;
-* prefill answers on the side channel's helper thread (as before) or on its loop;
+* prefill answers on its side channel's loop (the helper-thread answers of before were
+  measured slower and removed: results/cpu/2026-12-03);
 * prefill's thread switch interval is Python's 5 ms or the nixl backend's 1 ms
   (``switch_interval_ms``);
 * decode looks for the answer at step boundaries only, or also from inside the step every
@@ -102,17 +103,16 @@ def _stats(ms: list[float]) -> dict[str, float]:
     }
 
 
-VARIANTS: dict[str, tuple[bool, bool, float, float, float | None]] = {
-    # name -> (decode via the pipe, prefill answers on its loop, prefill's switch interval
-    # ms, decode's nudges inside the step every ms (0: none), the neighbour agents'
-    # progress poll ms (None: no neighbours; 0: they spin))
-    "before: helper threads both sides": (False, False, 5.0, 0.0, None),
-    "decode pipe": (True, False, 5.0, 0.0, None),
-    "decode pipe, prefill loop": (True, True, 5.0, 0.0, None),
-    "decode pipe, prefill loop, 1 ms switch": (True, True, 1.0, 0.0, None),
-    "after: the same, nudged every 2 ms inside the step": (True, True, 1.0, 2.0, None),
-    "after, beside neighbour agents spinning (poll 0)": (True, True, 1.0, 2.0, 0.0),
-    "after, beside neighbour agents sleeping (poll 1 ms)": (True, True, 1.0, 2.0, 1.0),
+VARIANTS: dict[str, tuple[bool, float, float, float | None]] = {
+    # name -> (decode via the pipe, prefill's switch interval ms, decode's nudges inside
+    # the step every ms (0: none), the neighbour agents' progress poll ms (None: no
+    # neighbours; 0: they spin))
+    "decode asks on a helper thread": (False, 5.0, 0.0, None),
+    "decode pipe": (True, 5.0, 0.0, None),
+    "decode pipe, 1 ms switch": (True, 1.0, 0.0, None),
+    "the same, nudged every 2 ms inside the step": (True, 1.0, 2.0, None),
+    "beside neighbour agents spinning (poll 0)": (True, 1.0, 2.0, 0.0),
+    "beside neighbour agents sleeping (poll 1 ms)": (True, 1.0, 2.0, 1.0),
 }
 
 
@@ -142,18 +142,17 @@ def neighbours(count: int, poll_ms: float | None) -> Iterator[None]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     targets = {
-        (inline, switch): attacks.TargetProcess(
-            SECRET, 2, pool=not inline, switch_interval_ms=switch
-        )  # idle but while measured: one busy prefill at a time on the machine's cores
-        for _, inline, switch, _, _ in VARIANTS.values()
+        switch: attacks.TargetProcess(SECRET, 2, switch_interval_ms=switch)
+        # idle but while measured: one busy prefill at a time on the machine's cores
+        for _, switch, _, _ in VARIANTS.values()
     }
     names = list(VARIANTS)
     samples: dict[str, list[list[float]]] = {name: [] for name in names}
     try:
         for r in range(args.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:  # rotated
-                via_pipe, inline, switch, nudge, poll = VARIANTS[name]
-                target = targets[inline, switch]
+                via_pipe, switch, nudge, poll = VARIANTS[name]
+                target = targets[switch]
                 with neighbours(args.neighbours, poll):
                     target.busy(args.prefill_busy_ms)
                     try:

@@ -39,9 +39,7 @@ def _serve(args: argparse.Namespace) -> int:
     engine_id = f"target-{os.getpid()}"
     secret = args.secret.encode() if args.secret else None
     settings = EngineSettings(engine_id, lease_s=3600.0, secret=secret)
-    source = KVSource(
-        topology, NixlTransport(engine_id), settings, inline_answers=not args.pool_answers
-    )
+    source = KVSource(topology, NixlTransport(engine_id), settings)
     held = requests_block_ids(topology, TOKENS, args.requests, 7)
     for index, ids in enumerate(held):
         source.hold(f"req-{index}", block_ids=ids)
@@ -95,8 +93,7 @@ def _hold_gil(seconds: float) -> None:
 
 class TargetProcess:
     """A running prefill target; every wait on it is bounded. ``busy_ms``: its engine
-    thread holds the GIL as a busy engine does, polling every ``busy_ms``; ``pool``: it
-    answers on the side channel's helper thread (``KVSource(inline_answers=False)``);
+    thread holds the GIL as a busy engine does, polling every ``busy_ms``;
     ``switch_interval_ms``: Python's thread switch interval there (0: Python's)."""
 
     def __init__(
@@ -104,12 +101,10 @@ class TargetProcess:
         secret: str | None,
         requests: int = 8,
         busy_ms: float = 0.0,
-        pool: bool = False,
         switch_interval_ms: float = 0.0,
     ):
         argv = [sys.executable, "-m", __name__, "--requests", str(requests)]
         argv += ["--busy-ms", str(busy_ms), "--switch-interval-ms", str(switch_interval_ms)]
-        argv += ["--pool-answers"] if pool else []
         env = dict(os.environ, PYTHONUNBUFFERED="1", KVSHARE_NIXL_PROGRESS_THREAD="0")
         if secret:
             argv += ["--secret", secret]
@@ -244,6 +239,5 @@ if __name__ == "__main__":
     parser.add_argument("--secret", default=None)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--busy-ms", type=float, default=0.0)
-    parser.add_argument("--pool-answers", action="store_true")
     parser.add_argument("--switch-interval-ms", type=float, default=0.0)
     sys.exit(_serve(parser.parse_args()))

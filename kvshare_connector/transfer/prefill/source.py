@@ -74,10 +74,7 @@ class KVSource:
         shard: Shard | None = None,
         probe: ProbeBuffer | None = None,
         lane: LaneInfo | None = None,
-        inline_answers: bool = True,
     ):
-        """``inline_answers=False``: every answer takes the side channel's helper thread
-        (how claims were answered before; ``lab/benchmarks/bench_claim_latency.py``)."""
         why = host_problem(settings.host)
         if why is not None:  # decode refuses params naming it: no load would ever succeed
             raise ValueError(
@@ -129,7 +126,7 @@ class KVSource:
         warn_if_no_secret(settings.secret)
         self.server = SideChannelServer(
             bind, settings.port, self._answer, settings.secret, self.engine_id,
-            inline=inline_answers, advertise=settings.host,
+            advertise=settings.host,
         )  # fmt: skip
         self.host, self.port = settings.host, self.server.port
         self.nameplate.write(self.server.destination)

@@ -153,8 +153,7 @@ class SideChannelServer:
     The handler runs on the loop's thread and returns the reply, or a function that may
     wait (e.g. for device work) and is run on a helper thread. Each hop between threads
     costs up to a GIL switch interval (5 ms) while the engine thread runs Python, so what
-    can be answered at once is (``lab/benchmarks/bench_claim_latency.py``); with
-    ``inline=False`` every answer takes the helper thread (the comparison's other side).
+    can be answered at once is (``lab/benchmarks/bench_claim_latency.py``).
     """
 
     def __init__(
@@ -165,14 +164,12 @@ class SideChannelServer:
         secret: bytes | None = None,
         engine_id: str = "",
         limits: Limits | None = None,
-        inline: bool = True,
         advertise: str | None = None,
     ):
         """Listens on ``host``; ``advertise`` (default: ``host``) is the host requests are
         addressed to, which decode dials: a listener on every interface (``0.0.0.0``)
         answers to the host's routable address (``transfer/wire/addresses.py``)."""
         self._handler = handler
-        self._inline = inline
         self._secret = secret
         self.limits = lim = limits or Limits()
         self._accepted = Buckets(lim.rate, lim.burst)
@@ -461,10 +458,7 @@ class SideChannelServer:
         return encode_reply("ok", payload, mac), True
 
     async def _handle(self, payload: bytes) -> bytes:
-        if not self._inline:
-            answer = await self._loop.run_in_executor(self._pool, self._handler, payload)
-        else:
-            answer = self._handler(payload)
+        answer = self._handler(payload)
         while callable(answer):  # it has to wait: not on the loop
             answer = await self._loop.run_in_executor(self._pool, answer)
         return answer
