@@ -18,6 +18,14 @@ os.environ.setdefault(
     os.path.join(os.path.expanduser("~"), ".cache", f"vllm-{importlib.metadata.version('vllm')}"),
 )
 
+# The lab (lab/tools: engine_sim, kv_probe, attacks...) is imported from the repository
+# root, which ``python -m`` puts on the path only when run from there: the peers these
+# tests start as scripts, or in another directory, find it through PYTHONPATH.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p
+)
+
 
 @functools.cache
 def cpu_stack(model: str, layout: str, kv_mib: int = 64):

@@ -19,13 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
-from kvshare_connector.transfer.device.nixl import (
-    PROGRESS_POLL_ENV,
-    NixlTransport,
-    progress_poll_ms_default,
-)
+from kvshare_connector.backends.options import ConnectorOptions
+from kvshare_connector.transfer.device.nixl import NixlTransport
 
 ROOT = Path(__file__).resolve().parents[1]
 NBYTES = 4 << 20
@@ -116,17 +112,13 @@ def test_control_without_the_thread_the_read_from_an_idle_target_stalls(monkeypa
     assert state == "PROC" and not landed
 
 
-def test_progress_poll_setting_is_checked(monkeypatch):
-    monkeypatch.delenv(PROGRESS_POLL_ENV, raising=False)
-    assert progress_poll_ms_default() == 1.0
-    monkeypatch.setenv(PROGRESS_POLL_ENV, "0")
-    assert progress_poll_ms_default() == 0.0
-    assert NixlTransport("poll-env", progress_thread=False).progress_poll_ms == 0.0
+def test_progress_poll_modes_and_the_options_that_set_them():
+    """The option and its variable are parsed once (``ConnectorOptions``; bad values:
+    tests/test_options.py) and handed to the agent whole."""
+    progress = ConnectorOptions.parse(None, environ={"KVSHARE_NIXL_PROGRESS_POLL_MS": "0"})
+    assert progress.nixl_progress == {"progress_thread": True, "progress_poll_ms": 0.0}
+    assert NixlTransport("poll-default", progress_thread=False).progress_poll_ms == 1.0
     modes = [NixlTransport(f"mode-{ms}", progress_thread=True, progress_poll_ms=ms).progress_mode
              for ms in (0, 0.3, 2)]  # fmt: skip
     assert modes == ["spins a core (poll 0)", "sleeps on UCX's events, 1 ms at most",
                      "sleeps on UCX's events, 2 ms at most"]  # fmt: skip
-    for bad in ("-1", "soon", "nan"):
-        monkeypatch.setenv(PROGRESS_POLL_ENV, bad)
-        with pytest.raises(ValueError, match="KVSHARE_NIXL_PROGRESS_POLL_MS must be"):
-            progress_poll_ms_default()

@@ -16,7 +16,6 @@ from kvshare_connector.demo import kvcheck
 from kvshare_connector.demo.parts import request_block_ids
 from kvshare_connector.layout.descriptors import transfer_descriptors
 from kvshare_connector.layout.matching import EngineIdentity, pair_owners
-from kvshare_connector.transfer.device.nixl import PROGRESS_THREAD_ENV, progress_thread_default
 from kvshare_connector.transfer.device.records import PHASES
 from kvshare_connector.transfer.wire import kv_params
 
@@ -160,14 +159,6 @@ def test_the_reads_of_one_step_are_all_posted_before_any_is_watched(peer, decode
 def reads_created(decoder, record) -> float:
     """When the read of ``record`` was created (its timeline counts from there)."""
     return decoder.sink._created[record.request_id]
-
-
-def test_progress_thread_setting_is_checked(monkeypatch):
-    monkeypatch.setenv(PROGRESS_THREAD_ENV, "off")
-    assert progress_thread_default() is False
-    monkeypatch.setenv(PROGRESS_THREAD_ENV, "maybe")
-    with pytest.raises(ValueError, match="KVSHARE_NIXL_PROGRESS_THREAD must be 0 or 1"):
-        progress_thread_default()
 
 
 def test_negative_controls_fail_the_same_check(peer, decoders):

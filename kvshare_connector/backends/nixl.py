@@ -119,8 +119,7 @@ class NixlWorker(WorkerBackend):
         lanes.apply(plan)
         transport = NixlTransport(
             f"{c.engine_id}-{c.role}-{uuid.uuid4().hex[:6]}",
-            progress_thread=o.nixl_progress_thread,
-            progress_poll_ms=o.nixl_progress_poll_ms,
+            **o.nixl_progress,
         )
         settings = c.settings()
         values = list(tensors.values()) if isinstance(tensors, Mapping) else [tensors]

@@ -160,6 +160,14 @@ class ConnectorOptions:
     def lane_probe_bytes(self) -> int:
         return int(self.lane_probe_mib * 2**20)
 
+    @property
+    def nixl_progress(self) -> dict[str, Any]:
+        """``NixlTransport``'s progress-thread arguments."""
+        return {
+            "progress_thread": self.nixl_progress_thread,
+            "progress_poll_ms": self.nixl_progress_poll_ms,
+        }
+
 
 def _shown(value: Any) -> str:
     if value is None:

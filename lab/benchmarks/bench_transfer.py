@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from kvshare_connector.backends.options import ConnectorOptions
 from kvshare_connector.common.child_process import report as report_line
 from kvshare_connector.demo.parts import (
     blocks_per_group,
@@ -42,7 +43,6 @@ from kvshare_connector.demo.parts import (
     held_params,
     requests_block_ids,
 )
-from kvshare_connector.transfer.device.nixl import PROGRESS_THREAD_ENV
 from kvshare_connector.transfer.wire.settings import EngineSettings
 from lab.benchmarks.copy_references import idle_cpu, summary, time_cma, time_memcpy, time_memmove
 
@@ -120,7 +120,7 @@ def run_prefill(args: argparse.Namespace) -> int:
     engine_id = f"bench-prefill-{uuid.uuid4().hex[:8]}"
     source = KVSource(
         topology,
-        NixlTransport(engine_id),
+        NixlTransport(engine_id, **ConnectorOptions.parse(None).nixl_progress),
         EngineSettings(engine_id, lease_s=3600),
         packer=cpu_packer(stack, args.packed_mib),
     )
@@ -457,7 +457,7 @@ def main() -> int:
     parser.add_argument("--verbose", action="store_true", help="show the prefill's stderr")
     args = parser.parse_args()
     if args.role == "main":  # the prefill child inherits it; decode's is passed explicitly
-        os.environ[PROGRESS_THREAD_ENV] = "1" if args.progress_thread == "on" else "0"
+        os.environ["KVSHARE_NIXL_PROGRESS_THREAD"] = "1" if args.progress_thread == "on" else "0"
     if args.role == "prefill":
         return run_prefill(args)
     results = measure(args)

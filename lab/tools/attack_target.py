@@ -28,6 +28,7 @@ TOKENS = 200
 
 def _serve(args: argparse.Namespace) -> int:
     """The prefill process: hold ``--requests`` requests, poll, answer ``stats`` on stdin."""
+    from kvshare_connector.backends.options import ConnectorOptions
     from kvshare_connector.demo.parts import build, requests_block_ids
     from kvshare_connector.transfer.device.nixl import NixlTransport
     from kvshare_connector.transfer.prefill.source import KVSource
@@ -39,7 +40,8 @@ def _serve(args: argparse.Namespace) -> int:
     engine_id = f"target-{os.getpid()}"
     secret = args.secret.encode() if args.secret else None
     settings = EngineSettings(engine_id, lease_s=3600.0, secret=secret)
-    source = KVSource(topology, NixlTransport(engine_id), settings)
+    progress = ConnectorOptions.parse(None).nixl_progress  # the environment's settings
+    source = KVSource(topology, NixlTransport(engine_id, **progress), settings)
     held = requests_block_ids(topology, TOKENS, args.requests, 7)
     for index, ids in enumerate(held):
         source.hold(f"req-{index}", block_ids=ids)

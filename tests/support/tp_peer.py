@@ -35,6 +35,7 @@ def emit(prefix: str, payload: Any) -> None:
 
 class Engine:
     def __init__(self, spec: dict[str, Any]):
+        from kvshare_connector.backends.options import ConnectorOptions
         from kvshare_connector.demo.cpu_stack import build_cpu_stack, topology_of
         from kvshare_connector.demo.parts import requests_block_ids
         from kvshare_connector.toolkit.procs import free_port_run
@@ -64,9 +65,9 @@ class Engine:
             settings = EngineSettings(
                 engine_id, port=base + rank, lease_s=spec.get("lease_s", 900.0)
             )
-            source = KVSource(
-                topology, NixlTransport(f"{engine_id}-r{rank}"), settings, shard=shard
-            )
+            progress = ConnectorOptions.parse(None).nixl_progress  # the environment's
+            transport = NixlTransport(f"{engine_id}-r{rank}", **progress)
+            source = KVSource(topology, transport, settings, shard=shard)
             source.keep = stack  # type: ignore[attr-defined]
             self.sources.append(source)
         described = []

@@ -71,6 +71,7 @@ class Served:
     """One source and the requests it holds."""
 
     def __init__(self, spec: dict[str, Any]):
+        from kvshare_connector.backends.options import ConnectorOptions
         from kvshare_connector.demo import kvcheck
         from kvshare_connector.demo.parts import build, cpu_digester, cpu_packer
         from kvshare_connector.layout.matching import EngineIdentity
@@ -115,7 +116,7 @@ class Served:
         )
         self.source = KVSource(
             topology,
-            NixlTransport(engine_id),
+            NixlTransport(engine_id, **ConnectorOptions.parse(None).nixl_progress),
             settings,
             packer=packer,
             digester=cpu_digester(self.stack) if spec.get("verify") else None,
@@ -223,10 +224,8 @@ def peer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     test_nixl_progress.py, but the peers keep the setting they were written for.) A peer
     polls its sources all the time, which progresses them (the connector's engines keep
     the thread on by default: tests/test_kv_probe.py, test_connector.py)."""
-    from kvshare_connector.transfer.device.nixl import PROGRESS_THREAD_ENV
-
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.setdefault(PROGRESS_THREAD_ENV, "0")
+    env.setdefault("KVSHARE_NIXL_PROGRESS_THREAD", "0")  # read by ConnectorOptions.parse
     return {**env, **(extra or {})}
 
 

@@ -10,7 +10,6 @@ reservation expensive elsewhere).
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -42,31 +41,7 @@ def _nixl_api() -> Any:
     return _api
 
 
-PROGRESS_THREAD_ENV = "KVSHARE_NIXL_PROGRESS_THREAD"
-PROGRESS_POLL_ENV = "KVSHARE_NIXL_PROGRESS_POLL_MS"
 _AGENT_START = threading.Lock()
-
-
-def progress_thread_default() -> bool:
-    """NIXL's own default (on), unless ``KVSHARE_NIXL_PROGRESS_THREAD=0``."""
-    value = os.environ.get(PROGRESS_THREAD_ENV, "1").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{PROGRESS_THREAD_ENV} must be 0 or 1, got {value!r}")
-
-
-def progress_poll_ms_default() -> float:
-    """1 ms, unless ``KVSHARE_NIXL_PROGRESS_POLL_MS`` says otherwise (0: NIXL's busy poll)."""
-    raw = os.environ.get(PROGRESS_POLL_ENV, "1").strip()
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 1e6:
-        raise ValueError(f"{PROGRESS_POLL_ENV} must be a number of ms, 0 or more, got {raw!r}")
-    return value
 
 
 def _start_agent(api: Any, name: str, config: Any, poll_ms: float) -> tuple[Any, bool]:
@@ -116,14 +91,15 @@ class NixlTransport:
 
     ``progress_thread``: NIXL's background thread that progresses UCX while the engine is
     not calling NIXL. ``progress_poll_ms``: how long it sleeps on UCX's events before it
-    looks anyway (``_start_agent``; 0: NIXL's busy poll, one core per agent even when idle;
-    None: ``progress_poll_ms_default()``). Without the thread, UCX moves only while
+    looks anyway (``_start_agent``; 0: NIXL's busy poll, one core per agent even when idle).
+    The engine's come from ``ConnectorOptions`` (``nixl_progress_thread``,
+    ``nixl_progress_poll_ms``), the one parser of options. Without the thread, UCX moves only while
     this process calls NIXL, which an engine does in its steps. The data of a READ over
     cuda_ipc, RDMA or shared memory needs nothing of prefill, but the first READ between
     two agents wires UCX's connection up, and UCX's TCP transport emulates a GET with
     messages: both need prefill to progress, which an idle prefill engine (no step running)
     does not, and the READ waits (seen: tests/test_kv_probe.py, prefill and decode in one
-    process, stalled with it off). None: ``progress_thread_default()``.
+    process, stalled with it off).
     """
 
     def __init__(
@@ -131,16 +107,12 @@ class NixlTransport:
         name: str,
         backends: Sequence[str] = ("UCX",),
         num_threads: int = 0,
-        progress_thread: bool | None = None,
-        progress_poll_ms: float | None = None,
+        progress_thread: bool = True,
+        progress_poll_ms: float = 1.0,
     ):
         api = _nixl_api()
-        self.progress_thread = (
-            progress_thread_default() if progress_thread is None else progress_thread
-        )
-        self.progress_poll_ms = (
-            progress_poll_ms_default() if progress_poll_ms is None else progress_poll_ms
-        )
+        self.progress_thread = progress_thread
+        self.progress_poll_ms = progress_poll_ms
         config = api.nixl_agent_config(
             enable_prog_thread=self.progress_thread,
             backends=list(backends),
