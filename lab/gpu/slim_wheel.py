@@ -1,4 +1,4 @@
-"""Copy a wheel without some of its files, for the GPU stacks (scripts/stage_gpu_03x.sh).
+"""Copy a wheel without some of its files, for the GPU stacks (lab/gpu/stage_gpu_03x.sh).
 
     python3 lab/gpu/slim_wheel.py IN.whl OUT.whl PATH...
 

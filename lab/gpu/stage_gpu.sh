@@ -5,7 +5,7 @@
 # as source only: their pure-Python wheels are built here first.
 #   bash lab/gpu/stage_gpu.sh            (from the project root; writes .gpu/)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 WORK="${GPU_STAGE_DIR:-/tmp/gpu-stage}"
 mkdir -p "$WORK/wheels"
 .venv/bin/python -m pip wheel -q --no-deps -w "$WORK/wheels" \

@@ -18,7 +18,7 @@
 # first (2026-12-06b: the 0.26 serving run ran while the 45 parts of 58 MiB came in).
 # Downloads are cached in $GPU033_STAGE_DIR (default /tmp/gpu033-stage); needs Python 3 with pip.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 # vLLM 0.33.0, slimmed. Dropped: the FlashAttention 2 kernels (an H200 runs FA3, and FA4 for
 # Gemma-4's head sizes; vLLM 0.33 falls back to FA2 only for ALiBi, batch invariance or
 # Blackwell's hd256 limits), the Rust frontend vllm-rs (used only with

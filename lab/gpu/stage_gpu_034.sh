@@ -19,7 +19,7 @@
 # (VLLM_VERSION=0.34.0 bash scripts/setup.sh; SDIST_PYTHON names another with torch).
 # Downloads are cached in $GPU034_STAGE_DIR (default /tmp/gpu034-stage).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 # vLLM 0.34.0, slimmed as 0.33.0 was (lab/gpu/stage_gpu_033.sh says why each is safe to drop; in
 # 0.34 FA2 is still chosen on Hopper only for ALiBi, batch invariance or hd256 on Blackwell):
 # the FlashAttention 2 kernels, the Rust frontend, DeepGEMM and the SM100-only FMHA tree.
