@@ -1,12 +1,9 @@
 """Decode side of the pull transfer: handshake with prefill, claim a request, READ its blocks.
 
-No vLLM here: the connector's worker drives ``KVSink``. All NIXL calls happen on the caller's
-thread (NIXL agents are not thread-safe by default); only the side-channel asks run on each
-prefill's own helper thread (``transfer.decode.peers``) so a slow or dead prefill never blocks the
-engine loop.
-
-A read goes through explicit phases (``transfer.decode.reads``): PEER, CLAIM, READ, then done
-or failed.
+No vLLM here: the connector's worker drives ``KVSink``. Every NIXL call is on the caller's
+thread (NIXL agents are not thread-safe by default); only side-channel asks run on each
+prefill's helper thread (``decode.peers``), so a dead prefill never blocks the engine loop.
+A read goes through explicit phases (``decode.reads``): PEER, CLAIM, READ, then done or failed.
 """
 
 from __future__ import annotations
