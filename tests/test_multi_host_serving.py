@@ -48,12 +48,17 @@ def _run(pair: int, role: str, argv: list[str]) -> list[str]:
 
 
 def _on(pair: int, role: str, argv: list[str], log: Path) -> subprocess.Popen:
-    """``argv`` on ``role``'s host, in a process group of its own."""
+    """``argv`` on ``role``'s host, in a process group of its own, with the environment a
+    fresh shell there would have: no side-channel variables another test of this process
+    set (in-process engine_sim engines set VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1, which
+    serve-pd honours as the operator's)."""
     cmd = _run(pair, role, argv)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_NIXL_SIDE_CHANNEL")}
     with open(log, "w") as out:
         return subprocess.Popen(
-            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env=env,
+        )  # fmt: skip
 
 
 def _serve_pd(pair: int, role: str, work: Path, name: str, *args: str) -> subprocess.Popen:
