@@ -80,3 +80,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(int(pytest.ExitCode.TESTS_FAILED))
+
+
+@pytest.fixture(autouse=True)
+def _ucx_environment_restored():
+    """The lane plan sets UCX_* in its engine's process (``lanes.apply``): here, where
+    engines run in the test process, a test leaves that environment as it found it, so the
+    peers a later test starts see its own settings, not a neighbour's."""
+    before = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+    yield
+    for key in [k for k in os.environ if k.startswith("UCX_") and k not in before]:
+        del os.environ[key]
+    os.environ.update(before)
